@@ -1,0 +1,161 @@
+"""Plain PyTorch references of every sigmafast kernel.
+
+These are the ground truth for the Triton kernels' tests and benchmarks, and
+the CPU path of the sampler. Keep them short and obviously right.
+
+Sampling conventions shared by every implementation:
+
+* ``temperature > 0``: logits are divided by the temperature, then, with
+  ``top_k``, every logit below the k-th largest is set to ``-inf`` (ties with the
+  k-th value are kept). ``temperature == 0`` means greedy: the token is the
+  first argmax and its log-prob is 0.
+* Inverse CDF: with ``probs`` the resulting distribution, the sampled token is
+  the first index ``i`` with ``cumsum(probs)[i] > u * sum(probs)``, clamped to
+  the last index of nonzero probability.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+RULES = ("paper", "lossless")
+
+
+def _scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.Tensor:
+    """Attention of R independent queries over a KV cache plus their own key.
+
+    q, k, v: (B, H, R, D); k_cache, v_cache: (B, H, L, D); cache_lens: (B,).
+    Query r attends to ``cache[:cache_lens[b]]`` and to ``(k[r], v[r])`` only.
+    Returns (B, H, R, D).
+    """
+    s = _scale(q, scale)
+    L = k_cache.shape[2]
+    valid = torch.arange(L, device=q.device)[None, :] < cache_lens[:, None]  # (B, L)
+    s_cache = torch.einsum("bhrd,bhld->bhrl", q, k_cache) * s
+    s_cache = s_cache.masked_fill(~valid[:, None, None, :], float("-inf"))
+    s_self = (q * k).sum(-1, keepdim=True) * s  # (B, H, R, 1)
+    p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)
+    return torch.einsum("bhrl,bhld->bhrd", p[..., :L], v_cache) + p[..., L:] * v
+
+
+def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.Tensor:
+    """Causal attention of O orders of R tokens that share one KV-cache prefix.
+
+    q, k, v: (B, O, H, R, D); k_cache, v_cache: (B, H, L, D); cache_lens: (B,).
+    Token r of order o attends to ``cache[:cache_lens[b]]`` and to tokens
+    ``0..r`` of order o. Returns (B, O, H, R, D). (This reference repeats the
+    prefix per order; the Triton kernel reads it once.)
+    """
+    s = _scale(q, scale)
+    B, O, H, R, D = q.shape
+    L = k_cache.shape[2]
+    valid = torch.arange(L, device=q.device)[None, :] < cache_lens[:, None]  # (B, L)
+    s_cache = torch.einsum("bohrd,bhld->bohrl", q, k_cache) * s
+    s_cache = s_cache.masked_fill(~valid[:, None, None, None, :], float("-inf"))
+    causal = torch.ones(R, R, dtype=torch.bool, device=q.device).tril()
+    s_self = torch.einsum("bohrd,bohtd->bohrt", q, k) * s
+    s_self = s_self.masked_fill(~causal, float("-inf"))
+    p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)
+    return torch.einsum("bohrl,bhld->bohrd", p[..., :L], v_cache) + torch.einsum(
+        "bohrt,bohtd->bohrd", p[..., L:], v
+    )
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
+    """Temperature and top-k applied to (..., V) logits (temperature > 0)."""
+    out = logits / temperature
+    if top_k is not None and top_k < out.shape[-1]:
+        kth = out.topk(top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    return out
+
+
+def log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
+    """(..., V) log-probabilities of the processed distribution (temperature > 0)."""
+    return torch.log_softmax(process_logits(logits, temperature, top_k), dim=-1)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(N, V) unnormalised probabilities and (N,) uniforms -> (N,) token ids."""
+    cdf = probs.cumsum(-1)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    token = (cdf <= target).sum(-1)
+    last_nonzero = (probs > 0).cumsum(-1).argmax(-1)
+    return torch.minimum(token, last_nonzero)
+
+
+def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF.
+
+    logits: (N, V); uniforms: (N,) in [0, 1). Returns tokens (N,) int64 and
+    their log-probabilities (N,) under the processed distribution.
+    """
+    if temperature == 0:
+        return logits.argmax(-1), torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    logp = log_probs(logits, temperature, top_k)
+    tokens = inverse_cdf(logp.exp(), uniforms)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None) -> torch.Tensor:
+    """Sample from normalize(max(0, q - p)), the speculative-sampling residual.
+
+    q_logits, p_logits: (N, V); uniforms: (N,). Rows whose residual is all zero
+    (q == p) sample from q. Greedy (temperature 0) returns argmax q.
+    Returns (N,) int64 tokens.
+    """
+    if temperature == 0:
+        return q_logits.argmax(-1)
+    q = log_probs(q_logits, temperature, top_k).exp()
+    p = log_probs(p_logits, temperature, top_k).exp()
+    r = (q - p).clamp_min(0)
+    empty = r.sum(-1, keepdim=True) <= 0
+    return inverse_cdf(torch.where(empty, q, r), uniforms)
+
+
+class Acceptance(NamedTuple):
+    logq: torch.Tensor  # (B, O, R) log q of each draft (0 when greedy)
+    accept: torch.Tensor  # (B, O, R) bool, per-token test (first forced for "paper")
+    n_accept: torch.Tensor  # (B, O) int64 accepted prefix length, <= lengths
+    best: torch.Tensor  # (B,) int64 order with the longest prefix (first on ties)
+    first_reject: torch.Tensor  # (B, O) int64 index of the first rejection, == lengths if none
+
+
+def acceptance(
+    logits, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper"
+) -> Acceptance:
+    """Accept/reject drafts scored by the verification forward.
+
+    logits: (B, O, R, V) verifier logits (q); drafts: (B, O, R) int64 draft tokens
+    in visiting order; draft_logp: (B, O, R) their log p under the draft;
+    uniforms: (B, O, R); lengths: (B,) number of valid steps per row (R_b <= R).
+
+    Token k is accepted when ``u_k < exp(logq_k - logp_k)``; greedy (temperature
+    0) accepts when the draft is the verifier's argmax. The "paper" rule always
+    accepts k = 0 (q = p there mathematically); "lossless" does not.
+    """
+    if rule not in RULES:
+        raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
+    B, O, R, V = logits.shape
+    if temperature == 0:
+        logq = torch.zeros(drafts.shape, dtype=logits.dtype, device=logits.device)
+        ok = logits.argmax(-1) == drafts
+    else:
+        logq = log_probs(logits, temperature, top_k).gather(-1, drafts[..., None]).squeeze(-1)
+        ok = uniforms.to(logq.dtype) < torch.exp(logq - draft_logp.to(logq.dtype))
+    steps = torch.arange(R, device=logits.device)
+    if rule == "paper":
+        ok = ok | (steps == 0)
+    valid = steps[None, None, :] < lengths[:, None, None]  # (B, 1, R)
+    prefix = (ok & valid).long().cumprod(-1)
+    n_accept = prefix.sum(-1)  # (B, O)
+    best = n_accept.argmax(-1)
+    first_reject = n_accept.clone()
+    return Acceptance(logq, ok, n_accept, best, first_reject)

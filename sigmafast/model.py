@@ -1,0 +1,269 @@
+"""σ-GPT: a GPT-2 style causal transformer with a double positional encoding.
+
+Each input token carries the position it sits at (``in_pos``) and the position
+of the token it must predict (``out_pos``). The embedding of a token is
+
+    wte[token] + concat(pe(in_pos), pe(out_pos))          each half n_embd / 2
+
+Position ``block_size`` is reserved for the BOS start token, so a sequence of T
+tokens in order σ is fed as tokens ``[BOS, x_σ1 … x_σ(T-1)]``, in_pos
+``[START, σ1 … σ(T-1)]``, out_pos ``[σ1 … σT]`` and targets ``[x_σ1 … x_σT]``
+(see :func:`sigmafast.orders.shuffle`).
+
+The per-layer pieces (``CausalSelfAttention.qkv`` / ``.project``, ``MLP``) work
+on any number of leading dimensions, so the KV-cached inference path can run
+burst ``(B, R, C)`` and multi-order ``(B, O, R, C)`` activations through the
+same weights with its own attention function (:meth:`SigmaGPT.run_layers`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+POS_ENCODINGS = ("sinusoidal", "learned")
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64),
+    "small": dict(n_layer=4, n_head=4, n_embd=128),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
+}
+
+
+@dataclass
+class SigmaGPTConfig:
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    pos_encoding: str = "sinusoidal"
+    bos_token_id: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SigmaGPTConfig.{name} must be a positive int, got {value!r}")
+        if self.vocab_size < 2:
+            raise ValueError(f"SigmaGPTConfig.vocab_size must be >= 2 (one id is BOS), got {self.vocab_size}")
+        if self.n_embd % (2 * self.n_head) != 0:
+            raise ValueError(
+                f"SigmaGPTConfig.n_embd ({self.n_embd}) must be divisible by 2*n_head ({2 * self.n_head}): "
+                "the embedding is split in two positional halves and into heads"
+            )
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"SigmaGPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.pos_encoding not in POS_ENCODINGS:
+            raise ValueError(
+                f"SigmaGPTConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}"
+            )
+        if self.bos_token_id is None:
+            self.bos_token_id = self.vocab_size - 1
+        if not isinstance(self.bos_token_id, int) or not 0 <= self.bos_token_id < self.vocab_size:
+            raise ValueError(
+                f"SigmaGPTConfig.bos_token_id must be an int in [0, vocab_size={self.vocab_size}), "
+                f"got {self.bos_token_id!r}"
+            )
+
+    @property
+    def start_pos(self) -> int:
+        """The reserved position index of the BOS start token."""
+        return self.block_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SigmaGPTConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown SigmaGPTConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "SigmaGPTConfig":
+        """Architecture from a named preset; task-specific fields come from ``overrides``."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
+    """(n_pos, dim) table: sin on even, cos on odd channels, as in Vaswani et al."""
+    pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
+    i = torch.arange(0, dim, 2, dtype=torch.float64)
+    angle = pos / torch.pow(10000.0, i / dim)  # (n_pos, ceil(dim/2))
+    table = torch.zeros(n_pos, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : dim // 2])
+    return table.float()
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: SigmaGPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., T, C) -> q, k, v each (..., H, T, D)."""
+        *lead, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=-1)
+        shape = (*lead, T, self.n_head, self.head_dim)
+        return tuple(t.view(shape).transpose(-3, -2) for t in (q, k, v))  # type: ignore[return-value]
+
+    def project(self, y: torch.Tensor) -> torch.Tensor:
+        """(..., H, T, D) attention output -> (..., T, C) residual update."""
+        *lead, H, T, D = y.shape
+        y = y.transpose(-3, -2).reshape(*lead, T, H * D)
+        return self.resid_dropout(self.c_proj(y))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.project(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: SigmaGPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: SigmaGPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SigmaGPT(nn.Module):
+    def __init__(self, config: SigmaGPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, SigmaGPTConfig):
+            raise TypeError(f"config must be a SigmaGPTConfig, got {type(config).__name__}")
+        self.config = config
+        half = config.n_embd // 2
+        n_pos = config.block_size + 1  # + the START position
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        if config.pos_encoding == "learned":
+            self.wpe_in = nn.Embedding(n_pos, half)
+            self.wpe_out = nn.Embedding(n_pos, half)
+        else:
+            self.register_buffer("pe_table", sinusoidal_table(n_pos, half), persistent=False)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying
+
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.config.pos_encoding == "learned":
+            n -= self.wpe_in.weight.numel() + self.wpe_out.weight.numel()
+        return n
+
+    def pos_embed(self, in_pos: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
+        """(..., T) positions -> (..., T, C) double positional encoding."""
+        if self.config.pos_encoding == "learned":
+            return torch.cat([self.wpe_in(in_pos), self.wpe_out(out_pos)], dim=-1)
+        return torch.cat([self.pe_table[in_pos], self.pe_table[out_pos]], dim=-1)
+
+    def embed(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
+        """(..., T) tokens and positions -> (..., T, C) input of the first block."""
+        return self.drop(self.wte(tokens) + self.pos_embed(in_pos, out_pos))
+
+    def run_layers(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
+
+        x is (..., T, C); q, k, v and y are (..., H, T, D). Returns the final
+        hidden states after ``ln_f``, (..., T, C).
+        """
+        for i, block in enumerate(self.h):
+            q, k, v = block.attn.qkv(block.ln_1(x))
+            x = x + block.attn.project(attend(i, q, k, v))
+            x = x + block.mlp(block.ln_2(x))
+        return self.ln_f(x)
+
+    def check_inputs(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> None:
+        for name, t in (("tokens", tokens), ("in_pos", in_pos), ("out_pos", out_pos)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+            if t.dim() != 2 or t.shape != tokens.shape:
+                raise ValueError(f"{name} must have shape (B, T) = {tuple(tokens.shape)}, got {tuple(t.shape)}")
+        T = tokens.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        in_pos: torch.Tensor,
+        out_pos: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(B, T) tokens, in_pos, out_pos[, targets] -> logits (B, T, V), loss or None.
+
+        Targets equal to -1 are ignored by the loss.
+        """
+        self.check_inputs(tokens, in_pos, out_pos)
+        x = self.embed(tokens, in_pos, out_pos)  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            if targets.shape != tokens.shape:
+                raise ValueError(f"targets must have shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss

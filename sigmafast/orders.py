@@ -1,0 +1,139 @@
+"""Generation / training orders and the (un)shuffling helper.
+
+An order is a LongTensor ``(B, T)`` whose row b is a permutation of
+``0..T-1``: ``order[b, t]`` is the position visited at step t.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ORDER_NAMES = ("left-to-right", "random", "fractal", "curriculum")
+
+
+def left_to_right(batch_size: int, seq_len: int, device=None) -> torch.Tensor:
+    """(B, T) identity orders."""
+    return torch.arange(seq_len, device=device).expand(batch_size, seq_len).clone()
+
+
+def random(
+    batch_size: int, seq_len: int, generator: Optional[torch.Generator] = None, device=None
+) -> torch.Tensor:
+    """(B, T) independent uniformly random permutations."""
+    dev = generator.device if generator is not None else device
+    keys = torch.rand(batch_size, seq_len, generator=generator, device=dev)
+    return keys.argsort(dim=-1).to(device if device is not None else dev)
+
+
+def fractal_order(seq_len: int) -> list[int]:
+    """Breadth-first binary-search-tree order of ``range(seq_len)``.
+
+    Visit the middle ``(lo + hi) // 2`` of ``[0, T)``, then the middles of the
+    left and right halves, level by level, left before right.
+    """
+    out: list[int] = []
+    level = [(0, seq_len)]
+    while level:
+        nxt = []
+        for lo, hi in level:
+            if lo >= hi:
+                continue
+            mid = (lo + hi) // 2
+            out.append(mid)
+            nxt += [(lo, mid), (mid + 1, hi)]
+        level = nxt
+    return out
+
+
+def fractal(batch_size: int, seq_len: int, device=None) -> torch.Tensor:
+    """(B, T) copies of :func:`fractal_order`."""
+    row = torch.tensor(fractal_order(seq_len), dtype=torch.long, device=device)
+    return row.expand(batch_size, seq_len).clone()
+
+
+def known_first(known: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """(B, T) orders visiting the known positions first, then the unknown ones.
+
+    Both groups are in uniformly random order. ``known`` is a (B, T) bool mask.
+    """
+    if not isinstance(known, torch.Tensor) or known.dtype != torch.bool or known.dim() != 2:
+        raise ValueError("known must be a (B, T) bool tensor")
+    dev = generator.device if generator is not None else known.device
+    keys = torch.rand(known.shape, generator=generator, device=dev).to(known.device)
+    keys = keys + (~known).to(keys.dtype)  # known in [0, 1), unknown in [1, 2)
+    return keys.argsort(dim=-1)
+
+
+def curriculum_fraction(step: int, max_steps: int, start: float) -> float:
+    """Left-to-right fraction of a batch: linear from ``start`` at step 0 to 0 at ``max_steps``."""
+    if not 0.0 <= start <= 1.0:
+        raise ValueError(f"curriculum start fraction must be in [0, 1], got {start}")
+    if max_steps <= 0:
+        return 0.0
+    return start * max(0.0, 1.0 - step / max_steps)
+
+
+def curriculum(
+    batch_size: int,
+    seq_len: int,
+    fraction: float,
+    generator: Optional[torch.Generator] = None,
+    device=None,
+) -> torch.Tensor:
+    """(B, T) orders: the first ``round(fraction * B)`` rows left-to-right, the rest random."""
+    n_l2r = int(round(fraction * batch_size))
+    orders = random(batch_size, seq_len, generator=generator, device=device)
+    orders[:n_l2r] = left_to_right(n_l2r, seq_len, device=orders.device)
+    return orders
+
+
+def make_orders(
+    name: str,
+    batch_size: int,
+    seq_len: int,
+    generator: Optional[torch.Generator] = None,
+    device=None,
+    fraction: float = 0.0,
+) -> torch.Tensor:
+    """Orders by name, one of :data:`ORDER_NAMES`; ``fraction`` is the curriculum's l2r share."""
+    if name == "left-to-right":
+        return left_to_right(batch_size, seq_len, device=device)
+    if name == "random":
+        return random(batch_size, seq_len, generator=generator, device=device)
+    if name == "fractal":
+        return fractal(batch_size, seq_len, device=device)
+    if name == "curriculum":
+        return curriculum(batch_size, seq_len, fraction, generator=generator, device=device)
+    raise ValueError(f"unknown order {name!r}; expected one of {ORDER_NAMES}")
+
+
+def shuffle(
+    x: torch.Tensor, order: torch.Tensor, bos: int, start_pos: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T) natural-order tokens and an order -> model inputs.
+
+    Returns ``tokens [BOS, x_σ1 … x_σ(T-1)]``, ``in_pos [START, σ1 … σ(T-1)]``,
+    ``out_pos [σ1 … σT]`` and ``targets [x_σ1 … x_σT]``, each (B, T).
+    """
+    if x.shape != order.shape or x.dim() != 2:
+        raise ValueError(f"x and order must both be (B, T), got {tuple(x.shape)} and {tuple(order.shape)}")
+    B = x.shape[0]
+    targets = x.gather(1, order)  # (B, T)
+    first_tok = torch.full((B, 1), bos, dtype=x.dtype, device=x.device)
+    first_pos = torch.full((B, 1), start_pos, dtype=order.dtype, device=order.device)
+    tokens = torch.cat([first_tok, targets[:, :-1]], dim=1)
+    in_pos = torch.cat([first_pos, order[:, :-1]], dim=1)
+    return tokens, in_pos, order, targets
+
+
+def unshuffle(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Inverse of the gather in :func:`shuffle`: ``out[b, order[b, t]] = values[b, t]``.
+
+    ``values`` is (B, T, ...) in visiting order; returns natural order.
+    """
+    index = order
+    if values.dim() > 2:
+        index = order.view(*order.shape, *([1] * (values.dim() - 2))).expand_as(values)
+    return torch.empty_like(values).scatter_(1, index, values)

@@ -1,0 +1,47 @@
+"""The task interface shared by every data source (synthetic, maze, text)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class Task:
+    """A source of (B, T) token sequences with a reserved BOS id.
+
+    Subclasses set ``name``, ``vocab_size`` (BOS included), ``seq_len`` and
+    ``bos``, and implement :meth:`sample_batch`.
+    """
+
+    name: str = "task"
+    vocab_size: int
+    seq_len: int
+    bos: int
+
+    def sample_batch(
+        self, batch_size: int, split: str = "train", generator: Optional[torch.Generator] = None
+    ) -> torch.Tensor:
+        """(B, T) int64 sequences in natural order, from ``split`` in {"train", "val"}."""
+        raise NotImplementedError
+
+    @property
+    def prompt_mask(self) -> torch.Tensor:
+        """(T,) bool: the positions given at test time (none by default)."""
+        return torch.zeros(self.seq_len, dtype=torch.bool)
+
+    def evaluate(self, samples: torch.Tensor) -> dict[str, float]:
+        """Validity metrics of (B, T) generated sequences; {} when the task has none."""
+        return {}
+
+    def oracle(self):
+        """An exact conditional "model" usable by ``sigmafast.generate``."""
+        raise NotImplementedError(f"task {self.name!r} has no exact oracle")
+
+    def decode(self, tokens) -> str:
+        """Human-readable rendering of one sequence."""
+        return " ".join(str(int(t)) for t in tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text prompt (text tasks only)."""
+        raise NotImplementedError(f"task {self.name!r} does not take text prompts")
