@@ -5,9 +5,128 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 (``"sigmafast.kernels" = "kernels"``); there is deliberately no top-level
 ``kernels`` module, which would collide with an unrelated PyPI package.
 
-Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`.
+Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
+and one Triton implementation (``burst_attn``, ``verify_attn``, ``accept``,
+``sampling``; the module names differ from the functions' so that importing a
+module never rebinds a public name of this package). The functions below pick
+one per call:
+
+* an explicit choice wins: ``use_backend(name)`` (innermost), else the
+  ``SIGMAFAST_BACKEND`` environment variable, each one of ``auto``, ``triton``,
+  ``reference``;
+* ``auto``: Triton for CUDA tensors, and for any tensor when
+  ``TRITON_INTERPRET=1`` (the CPU tests then run the real kernel code);
+  otherwise the reference, which is the fast CPU path. float64 (which the
+  kernels do not take) always goes to the reference under ``auto``.
+
+Triton and the kernel modules are imported only when the Triton path is taken,
+so importing this package needs no triton (e.g. on macOS).
 """
 
-from .reference import Acceptance, acceptance, burst_attention, residual_sample, sample, verify_attention
+from __future__ import annotations
 
-__all__ = ["Acceptance", "acceptance", "burst_attention", "residual_sample", "sample", "verify_attention"]
+import contextlib
+import contextvars
+import importlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from . import reference
+from .reference import Acceptance
+
+BACKENDS = ("auto", "triton", "reference")
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("sigmafast_backend", default=None)
+
+
+def _check_backend(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the enclosed kernel calls on ``name`` ("auto", "triton" or "reference")."""
+    token = _override.set(_check_backend(name, "use_backend(name)"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """The backend ("triton" or "reference") a call on tensor ``t`` takes now."""
+    name = _override.get()
+    if name is None:
+        name = _check_backend(os.environ.get("SIGMAFAST_BACKEND", "auto").strip().lower() or "auto", "SIGMAFAST_BACKEND")
+    if name == "auto":
+        if t.dtype not in _TRITON_DTYPES:
+            return "reference"
+        return "triton" if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+    if name == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
+            f"for tensors on {t.device}"
+        )
+    return name
+
+
+def _triton(module: str, fn: str):
+    try:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), fn)
+    except ImportError as e:
+        raise ImportError(f"the triton backend of sigmafast.kernels needs the triton package: {e}") from e
+
+
+def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.Tensor:
+    """(B, H, R, D) queries over ``cache[:cache_lens]`` plus their own key; see the reference."""
+    if backend_for(q) == "triton":
+        return _triton("burst_attn", "burst_attention")(q, k, v, k_cache, v_cache, cache_lens, scale)
+    return reference.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
+
+
+def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.Tensor:
+    """(B, O, H, R, D) orders, causal, over a shared cache prefix; see the reference."""
+    if backend_for(q) == "triton":
+        return _triton("verify_attn", "verify_attention")(q, k, v, k_cache, v_cache, cache_lens, scale)
+    return reference.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
+
+
+def acceptance(
+    logits, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper"
+) -> Acceptance:
+    """Accept/reject drafts from (B, O, R, V) verifier logits; see the reference."""
+    if backend_for(logits) == "triton":
+        fn = _triton("accept", "acceptance")
+        return fn(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+
+
+def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference."""
+    if backend_for(logits) == "triton":
+        return _triton("sampling", "sample")(logits, uniforms, temperature, top_k)
+    return reference.sample(logits, uniforms, temperature, top_k)
+
+
+def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None) -> torch.Tensor:
+    """Sample from normalize(max(0, q - p)); see the reference."""
+    if backend_for(q_logits) == "triton":
+        return _triton("sampling", "residual_sample")(q_logits, p_logits, uniforms, temperature, top_k)
+    return reference.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
+
+
+__all__ = [
+    "Acceptance",
+    "BACKENDS",
+    "acceptance",
+    "backend_for",
+    "burst_attention",
+    "residual_sample",
+    "sample",
+    "use_backend",
+    "verify_attention",
+]

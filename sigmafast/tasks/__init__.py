@@ -1,0 +1,68 @@
+"""Task registry: ``get_task(name, **kwargs)`` for every name in :data:`TASK_NAMES`.
+
+The text tasks live in :mod:`sigmafast.tasks.text` and are imported only when
+asked for, so the synthetic tasks work without their dependencies.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+from .base import Task
+from .maze import MazeTask
+from .synthetic import PermutationTask, ProductTask, RandomWalkTask, StepTask
+
+
+def _char():
+    from .text import CharTask
+
+    return CharTask, {}
+
+
+def _token_file(name: str) -> Callable[[], tuple[type, dict]]:
+    def load():
+        from .text import TokenFileTask
+
+        return TokenFileTask, {"name": name}
+
+    return load
+
+
+# name -> loader returning (task class, keyword arguments fixed by the registry)
+_REGISTRY: dict[str, Callable[[], tuple[type, dict]]] = {
+    "product": lambda: (ProductTask, {}),
+    "step": lambda: (StepTask, {}),
+    "permutation": lambda: (PermutationTask, {}),
+    "random_walk": lambda: (RandomWalkTask, {}),
+    "maze": lambda: (MazeTask, {}),
+    "char": _char,
+    "owt": _token_file("owt"),
+    "wikitext103": _token_file("wikitext103"),
+}
+
+TASK_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get_task(name: str, /, **kwargs) -> Task:
+    """The task called ``name`` built with ``kwargs`` (e.g. ``seq_len=``, ``text=``, ``data_dir=``)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASK_NAMES)}")
+    cls, fixed = _REGISTRY[name]()
+    clash = sorted(k for k in kwargs if k in fixed)
+    if clash:
+        raise TypeError(f"argument(s) {', '.join(clash)} of task {name!r} are fixed by the registry")
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        positional = inspect.Parameter.VAR_POSITIONAL
+        allowed = [p for p in params if p not in fixed and params[p].kind is not positional]
+        unknown = sorted(k for k in kwargs if k not in allowed)
+        if unknown:
+            raise TypeError(
+                f"unknown argument(s) {', '.join(unknown)} for task {name!r}; "
+                f"it accepts {', '.join(allowed) if allowed else 'no arguments'}"
+            )
+    return cls(**fixed, **kwargs)
+
+
+__all__ = ["TASK_NAMES", "Task", "get_task"]

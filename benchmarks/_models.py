@@ -1,0 +1,141 @@
+"""Small σ-GPT models for the benchmarks: trained once with ``sigmafast.train``, cached on disk.
+
+Each :class:`ModelSpec` is a ``TrainConfig`` recipe. Its checkpoint lives in
+``<cache>/<name>-<hash>/ckpt.pt`` where the hash covers every training field
+(and the text file's size for the char model), so a changed recipe trains a
+new model instead of reusing a stale one. ``done.json`` is written (atomically)
+once training finished; a checkpoint without it (an interrupted run) is
+resumed. The default recipes fit a 2-core CPU (about 4 minutes for all four
+models, cold); ``SIGMAFAST_BENCH_FULL=1`` selects bigger ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from _common import bench_full
+
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A benchmark model: the task it learns and a CPU- or paper-sized training recipe."""
+
+    name: str
+    task: str
+    preset: str
+    max_iters: int
+    batch_size: int
+    lr: float = 1e-3
+    seq_len: Optional[int] = None
+    n_sequences: int = 32  # sequences generated per model benchmark
+    overrides: dict = field(default_factory=dict)
+
+    def train_kwargs(self, out_dir: Path, text: Optional[Path]) -> dict:
+        kwargs = dict(
+            task=self.task, preset=self.preset, max_iters=self.max_iters, batch_size=self.batch_size,
+            grad_accum=1, lr=self.lr, warmup_iters=min(100, self.max_iters // 10),
+            eval_interval=self.max_iters, eval_iters=4, num_eval_samples=0, log_interval=100,
+            out_dir=str(out_dir), device="cuda" if torch.cuda.is_available() else "cpu",
+        )
+        if self.seq_len is not None:
+            kwargs["seq_len"] = self.seq_len
+        if text is not None:
+            kwargs["text"] = str(text)
+        kwargs.update(self.overrides)
+        return kwargs
+
+
+CPU_SPECS = {
+    "permutation": ModelSpec("permutation", "permutation", "tiny", max_iters=1500, batch_size=32),
+    "step": ModelSpec("step", "step", "tiny", max_iters=500, batch_size=32),
+    "maze": ModelSpec("maze", "maze", "tiny", max_iters=600, batch_size=16, n_sequences=16),
+    "char": ModelSpec("char", "char", "small", max_iters=600, batch_size=16, seq_len=256, n_sequences=8),
+}
+FULL_SPECS = {
+    "permutation": ModelSpec("permutation", "permutation", "small", max_iters=20000, batch_size=64),
+    "step": ModelSpec("step", "step", "small", max_iters=5000, batch_size=64),
+    "maze": ModelSpec("maze", "maze", "small", max_iters=20000, batch_size=32, n_sequences=64),
+    "char": ModelSpec("char", "char", "gpt2", max_iters=5000, batch_size=16, lr=6e-4, seq_len=1024,
+                      n_sequences=16, overrides=dict(warmup_iters=200, dropout=0.1)),
+}
+
+
+def spec(name: str) -> ModelSpec:
+    specs = FULL_SPECS if bench_full() else CPU_SPECS
+    if name not in specs:
+        raise ValueError(f"unknown benchmark model {name!r}; expected one of {sorted(specs)}")
+    return specs[name]
+
+
+@dataclass
+class BenchModel:
+    spec: ModelSpec
+    model: torch.nn.Module
+    task: object
+    info: dict  # training summary: iterations, final validation losses, training seconds, cache path
+
+
+def _key(kwargs: dict, text: Optional[Path]) -> str:
+    record = {k: v for k, v in kwargs.items() if k not in ("out_dir", "device")}
+    record["_format"] = CACHE_FORMAT
+    if text is not None:
+        record["_text_size"] = text.stat().st_size
+    return hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _write_json(obj: dict, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+_LOADED: dict[tuple, BenchModel] = {}
+
+
+def get_model(name: str, cache_dir: Path, device: torch.device, text: Optional[Path] = None) -> BenchModel:
+    """The trained benchmark model ``name``: from the cache, or trained now (then cached)."""
+    from sigmafast.train import TrainConfig, load_checkpoint, train
+
+    s = spec(name)
+    probe = s.train_kwargs(Path("."), text)
+    out_dir = Path(cache_dir) / f"{name}-{_key(probe, text)}"
+    memo = (str(out_dir), str(device))
+    if memo in _LOADED:
+        return _LOADED[memo]
+    kwargs = s.train_kwargs(out_dir, text)
+    done = out_dir / "done.json"
+    if not done.is_file():
+        kwargs["resume"] = (out_dir / "ckpt.pt").is_file()
+        t0 = time.perf_counter()
+        result = train(TrainConfig(**kwargs))
+        if result.interrupted:
+            raise RuntimeError(f"training of benchmark model {name!r} was interrupted; rerun to resume it")
+        last = result.history[-1] if result.history else {}
+        _write_json({
+            "name": name, "train_seconds": time.perf_counter() - t0, "resumed": kwargs["resume"],
+            "final_eval": last, "train_config": {k: v for k, v in kwargs.items() if k != "resume"},
+        }, done)
+    info = json.loads(done.read_text())
+    model, task, _ = load_checkpoint(out_dir / "ckpt.pt", device=device)
+    info["cache_dir"] = str(out_dir)
+    info["n_params"] = sum(p.numel() for p in model.parameters())
+    bench = BenchModel(s, model, task, info)
+    _LOADED[memo] = bench
+    return bench
+
+
+def config_fields(spec_: ModelSpec) -> dict:
+    return {k: v for k, v in dataclasses.asdict(spec_).items() if k != "overrides"}

@@ -1,0 +1,48 @@
+"""Benchmark-session setup for ``pytest benchmarks/ --benchmark-only``.
+
+Environment:
+
+* ``SIGMAFAST_CACHE``: where the small benchmark models are trained once and
+  cached (default ``~/.cache/sigmafast/bench``; never inside the repository).
+* ``SIGMAFAST_BENCH_FULL=1``: paper-scale sizes (bigger models, 1024 tokens,
+  more sequences). The default is sized for a 2-core CPU, training included.
+
+Every benchmark stores its figures in ``benchmark.extra_info``; the device
+label ("CPU: <model>, N cores" or the GPU name) goes into the JSON's
+``machine_info`` as ``sigmafast_device``, which ``scripts/plot_benchmarks.py``
+uses to label the tables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _common import SHARED_DIR, bench_device, bench_full, cache_root, device_label
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return bench_device()
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    return cache_root()
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    path = SHARED_DIR / "data" / "tinyshakespeare.txt"
+    if not path.is_file():
+        pytest.skip(f"char model needs {path} (the offline tiny-shakespeare copy); not present")
+    return path
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    machine_info["sigmafast_device"] = device_label(bench_device())
+    machine_info["sigmafast_full"] = bench_full()
+    machine_info["torch_version"] = torch.__version__
+    machine_info["torch_threads"] = torch.get_num_threads()

@@ -1,0 +1,144 @@
+"""Triton acceptance: log q of each draft by an online log-sum-exp plus a gather.
+
+The kernel streams each verifier logit row once, in (rows, BLOCK_V) chunks,
+keeping a running max and sum of exponentials and picking out the draft's
+logit on the way (greedy: the first argmax instead). Only (B, O, R) values are
+written; the probabilities are never materialised. Top-k uses the k-th largest
+logit per row from ``torch.topk`` (an (N, k) temporary) as a threshold. The
+accept/reject decisions are a handful of (B, O, R) torch ops, the same as the
+reference's, so they agree with it exactly for the same log q.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import RULES, Acceptance
+from .sampling import _kth, _load_logits, _online_lse, rows_per_program
+from .utils import check_float
+
+
+@triton.jit
+def _draft_logq_kernel(
+    X, DRAFT, KTH, LOGQ, ARGMAX,
+    s_x, N, V, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, GREEDY: tl.constexpr,
+):
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    p_x = X + o_n64[:, None] * s_x
+    o_b = tl.arange(0, BLOCK_V)
+    if GREEDY:
+        b_best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        b_arg = tl.zeros([BLOCK_N], tl.int32)
+        for start in range(0, V, BLOCK_V):
+            o_v = start + o_b[None, :]
+            b_x = tl.load(p_x + o_v, mask=m_n[:, None] & (o_v < V), other=float("-inf")).to(tl.float32)
+            c_max = tl.max(b_x, 1)
+            c_arg = tl.min(tl.where(b_x == c_max[:, None], o_v, V), 1)  # first index of the chunk max
+            b_arg = tl.where(c_max > b_best, c_arg, b_arg)
+            b_best = tl.maximum(b_best, c_max)
+        tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
+    else:
+        kth = tl.zeros([BLOCK_N, 1], tl.float32)
+        if HAS_TOPK:
+            kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+        d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
+        b_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        b_s = tl.zeros([BLOCK_N], tl.float32)
+        b_xd = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            o_v = start + o_b[None, :]
+            b_x = _load_logits(p_x, o_v, m_n[:, None] & (o_v < V), kth, temperature, HAS_TOPK)
+            b_m, b_s = _online_lse(b_m, b_s, b_x)
+            b_xd = tl.maximum(b_xd, tl.max(tl.where(o_v == d[:, None], b_x, float("-inf")), 1))
+        b_m = tl.where(m_n, b_m, 0.0)
+        b_s = tl.where(m_n, b_s, 1.0)
+        tl.store(LOGQ + o_n64, b_xd - b_m - tl.log(b_s), mask=m_n)
+
+
+def _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
+    if rule not in RULES:
+        raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
+    check_float("logits", logits, 4)
+    B, O, R, V = logits.shape
+    if not isinstance(drafts, torch.Tensor) or drafts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"drafts must be an int64 tensor of shape {(B, O, R)}, got {getattr(drafts, 'dtype', type(drafts))}")
+    for name, t in (("drafts", drafts), ("draft_logp", draft_logp), ("uniforms", uniforms)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, O, R) or t.device != logits.device:
+            raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {logits.device}, got {getattr(t, 'shape', t)!r:.80}")
+    if not draft_logp.is_floating_point() or not uniforms.is_floating_point():
+        raise ValueError(f"draft_logp and uniforms must be float tensors, got {draft_logp.dtype} and {uniforms.dtype}")
+    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,) or lengths.is_floating_point():
+        raise ValueError(f"lengths must be an int tensor of shape ({B},), got {getattr(lengths, 'shape', lengths)!r:.80}")
+    if not float(temperature) >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+
+
+def draft_logq(logits, drafts, temperature, top_k, block_v=None):
+    """(N, V) logits, (N,) drafts -> (N,) float32 log q of the drafts, or (N,) int64 argmax if temperature 0."""
+    N, V = logits.shape
+    block_v = block_v or min(triton.next_power_of_2(V), 4096)
+    block_n = min(rows_per_program(V, block_v), triton.next_power_of_2(N))
+    greedy = temperature == 0
+    kth = None if greedy else _kth(logits, top_k)
+    res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=logits.device)
+    _draft_logq_kernel[(triton.cdiv(N, block_n),)](
+        logits, drafts, kth if kth is not None else res, res, res,
+        logits.stride(0), N, V, float(temperature) if not greedy else 1.0,
+        BLOCK_N=block_n, BLOCK_V=block_v, HAS_TOPK=kth is not None, GREEDY=greedy,
+        num_warps=4 if block_n * block_v <= 2048 else 8,
+    )
+    return res
+
+
+def acceptance(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_logp: torch.Tensor,
+    uniforms: torch.Tensor,
+    lengths: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    rule: str = "paper",
+    *,
+    block_v: Optional[int] = None,
+) -> Acceptance:
+    """Accept/reject drafts scored by the verification forward.
+
+    logits: (B, O, R, V) verifier logits (q), float32/float16/bfloat16;
+    drafts: (B, O, R) int64 in visiting order; draft_logp: (B, O, R) their log p
+    under the draft; uniforms: (B, O, R); lengths: (B,) valid steps per row.
+    Returns :class:`Acceptance` (logq (B, O, R) in logits' dtype, accept,
+    n_accept, best, first_reject), with the reference's semantics.
+    """
+    _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    B, O, R, V = logits.shape
+    rows = logits.reshape(B * O * R, V)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    flat_drafts = drafts.reshape(-1).contiguous()
+    if B * O * R == 0:
+        logq = torch.zeros(drafts.shape, dtype=logits.dtype, device=logits.device)
+        ok = torch.zeros(drafts.shape, dtype=torch.bool, device=logits.device)
+    elif temperature == 0:
+        logq = torch.zeros(drafts.shape, dtype=logits.dtype, device=logits.device)
+        ok = draft_logq(rows, flat_drafts, 0, None, block_v).view(B, O, R) == drafts
+    else:
+        logq = draft_logq(rows, flat_drafts, temperature, top_k, block_v).view(B, O, R).to(logits.dtype)
+        ok = uniforms.to(logq.dtype) < torch.exp(logq - draft_logp.to(logq.dtype))
+    steps = torch.arange(R, device=logits.device)
+    if rule == "paper":
+        ok = ok | (steps == 0)
+    valid = steps[None, None, :] < lengths[:, None, None]  # (B, 1, R)
+    prefix = (ok & valid).long().cumprod(-1)
+    n_accept = prefix.sum(-1)  # (B, O)
+    best = n_accept.argmax(-1)
+    return Acceptance(logq, ok, n_accept, best, n_accept.clone())

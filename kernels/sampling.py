@@ -1,0 +1,218 @@
+"""Triton inverse-CDF sampling from logits, and the speculative-sampling residual.
+
+One program per row, streaming the vocabulary in BLOCK_V chunks:
+
+* pass 1: online max and sum of exponentials (log-sum-exp) of the processed
+  logits (temperature, top-k threshold from ``torch.topk``);
+* residual only, pass 2: the mass of ``max(0, q - p)`` (and of q, for rows whose
+  residual is empty and fall back to q);
+* last pass: a running cumulative sum of the (unnormalised) probabilities that
+  stops loading once it passes ``u * total``; the token is the first index whose
+  cumulative sum exceeds it, clamped to the last index of nonzero probability.
+
+Nothing is materialised but the (N,) outputs. The uniforms come from the
+caller; there is no RNG in the kernel. Against the reference the only possible
+differences are float-rounding ties: a uniform within a few ulps of a CDF
+boundary, or a logit that rounds onto the top-k threshold after the division
+by the temperature (the kernel compares raw logits with the raw k-th value).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import check_float
+
+
+@triton.jit
+def _load_logits(ptr, o_v, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
+    b_x = tl.load(ptr + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
+    if HAS_TOPK:
+        b_x = tl.where(b_x < kth, float("-inf"), b_x)
+    return b_x / temperature
+
+
+@triton.jit
+def _online_lse(b_m, b_s, b_x):
+    """Fold a (BLOCK_N, BLOCK_V) chunk into per-row running max and sum of exp."""
+    m_new = tl.maximum(b_m, tl.max(b_x, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_s = b_s * tl.exp(b_m - m_use) + tl.sum(tl.exp(b_x - m_use[:, None]), 1)
+    return m_new, b_s
+
+
+@triton.jit
+def _sample_kernel(
+    QL, PL, U, KQ, KP, TOK, LOGP,
+    s_q, s_p, N, V, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, RESIDUAL: tl.constexpr,
+):
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    p_q = QL + o_n64[:, None] * s_q  # (BLOCK_N, 1)
+    p_p = PL + o_n64[:, None] * s_p
+    kq = tl.zeros([BLOCK_N, 1], tl.float32)
+    kp = tl.zeros([BLOCK_N, 1], tl.float32)
+    if HAS_TOPK:
+        kq = tl.load(KQ + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+        if RESIDUAL:
+            kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    o_b = tl.arange(0, BLOCK_V)
+
+    m_q = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s_qs = tl.zeros([BLOCK_N], tl.float32)
+    m_p = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s_ps = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        o_v = start + o_b[None, :]
+        m_v = m_n[:, None] & (o_v < V)
+        m_q, s_qs = _online_lse(m_q, s_qs, _load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK))
+        if RESIDUAL:
+            m_p, s_ps = _online_lse(m_p, s_ps, _load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK))
+
+    m_q = tl.where(m_n, m_q, 0.0)  # padding rows: keep them finite
+    s_qs = tl.where(m_n, s_qs, 1.0)
+    lse_q = m_q + tl.log(s_qs)
+    total = s_qs
+    if RESIDUAL:
+        lse_p = tl.where(m_n, m_p, 0.0) + tl.log(tl.where(m_n, s_ps, 1.0))
+        r_tot = tl.zeros([BLOCK_N], tl.float32)
+        q_tot = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, V, BLOCK_V):
+            o_v = start + o_b[None, :]
+            m_v = m_n[:, None] & (o_v < V)
+            b_q = tl.exp(_load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
+            b_p = tl.exp(_load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
+            r_tot += tl.sum(tl.maximum(b_q - b_p, 0.0), 1)
+            q_tot += tl.sum(b_q, 1)
+        empty = r_tot <= 0.0
+        total = tl.where(empty, q_tot, r_tot)
+
+    target = tl.load(U + o_n64, mask=m_n, other=0.0).to(tl.float32) * total
+    carry = tl.zeros([BLOCK_N], tl.float32)
+    first = tl.zeros([BLOCK_N], tl.int32) + V
+    last_nz = tl.full([BLOCK_N], -1, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        o_v = start + o_b[None, :]
+        bound = tl.where(m_n & (first == V), V, 0)  # stop loading a row once its token is found
+        m_v = o_v < bound[:, None]
+        if RESIDUAL:
+            b_q = tl.exp(_load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
+            b_p = tl.exp(_load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
+            b_w = tl.where(empty[:, None], b_q, tl.maximum(b_q - b_p, 0.0))
+        else:
+            b_w = tl.exp(_load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - m_q[:, None])
+        b_c = carry[:, None] + tl.cumsum(b_w, 1)
+        first = tl.minimum(first, tl.min(tl.where((b_c > target[:, None]) & m_v, o_v, V), 1))
+        last_nz = tl.maximum(last_nz, tl.max(tl.where(b_w > 0.0, o_v, -1), 1))
+        carry = tl.max(b_c, 1)
+    token = tl.minimum(first, last_nz)
+    tl.store(TOK + o_n64, token.to(tl.int64), mask=m_n)
+    if not RESIDUAL:
+        m_tok = m_n & (token >= 0)
+        x_tok = _load_logits(QL + o_n64 * s_q, token, m_tok, kq.reshape([BLOCK_N]), temperature, HAS_TOPK)
+        tl.store(LOGP + o_n64, (x_tok - lse_q).to(LOGP.dtype.element_ty), mask=m_n)
+
+
+def rows_per_program(V: int, block_v: int, budget: int = 4096) -> int:
+    """Rows per program so that a (rows, BLOCK_V) chunk holds about ``budget`` elements."""
+    return max(1, min(budget // block_v, 256))
+
+
+def _check_args(logits, uniforms, temperature, top_k, name="logits") -> None:
+    check_float(name, logits, 2)
+    if not isinstance(uniforms, torch.Tensor) or not uniforms.is_floating_point():
+        raise ValueError(f"uniforms must be a float tensor of shape ({logits.shape[0]},), got {uniforms!r:.60}")
+    if tuple(uniforms.shape) != (logits.shape[0],) or uniforms.device != logits.device:
+        raise ValueError(
+            f"uniforms must have shape ({logits.shape[0]},) on {logits.device}, got {tuple(uniforms.shape)} on {uniforms.device}"
+        )
+    if not float(temperature) >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have a nonempty vocabulary dimension")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kth(logits: torch.Tensor, top_k: Optional[int]) -> Optional[torch.Tensor]:
+    if top_k is None or top_k >= logits.shape[-1]:
+        return None
+    return logits.topk(top_k, dim=-1).values[..., -1].float().contiguous()  # (N,)
+
+
+def _launch(q_logits, p_logits, uniforms, temperature, top_k, block_v):
+    N, V = q_logits.shape
+    residual = p_logits is not None
+    q_logits = _rows(q_logits)
+    p_logits = _rows(p_logits) if residual else q_logits
+    kq = _kth(q_logits, top_k)
+    kp = _kth(p_logits, top_k) if residual else None
+    tokens = torch.empty(N, dtype=torch.int64, device=q_logits.device)
+    logp = torch.empty(N, dtype=q_logits.dtype, device=q_logits.device)
+    if N == 0:
+        return tokens, logp
+    block_v = block_v or min(triton.next_power_of_2(V), 4096)
+    u = uniforms.float().contiguous()
+    block_n = min(rows_per_program(V, block_v), triton.next_power_of_2(N))
+    _sample_kernel[(triton.cdiv(N, block_n),)](
+        q_logits, p_logits, u, kq if kq is not None else u, kp if kp is not None else u, tokens, logp,
+        q_logits.stride(0), p_logits.stride(0), N, V, float(temperature),
+        BLOCK_N=block_n, BLOCK_V=block_v, HAS_TOPK=kq is not None, RESIDUAL=residual,
+        num_warps=4 if block_n * block_v <= 2048 else 8,
+    )
+    return tokens, logp
+
+
+def sample(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    *,
+    block_v: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF.
+
+    logits: (N, V) float32/float16/bfloat16; uniforms: (N,) in [0, 1).
+    Returns tokens (N,) int64 and their log-probabilities (N,) (logits' dtype)
+    under the processed distribution; temperature 0 is greedy (first argmax,
+    log-prob 0). ``block_v`` (a power of two) overrides the vocabulary chunk.
+    """
+    _check_args(logits, uniforms, temperature, top_k)
+    if temperature == 0:
+        return logits.argmax(-1), torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    return _launch(logits, None, uniforms, temperature, top_k, block_v)
+
+
+def residual_sample(
+    q_logits: torch.Tensor,
+    p_logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    *,
+    block_v: Optional[int] = None,
+) -> torch.Tensor:
+    """Sample from normalize(max(0, q - p)), the speculative-sampling residual.
+
+    q_logits, p_logits: (N, V); uniforms: (N,). q and p are the processed
+    (temperature, top-k) softmaxes. Rows whose residual is all zero sample
+    from q; temperature 0 returns argmax q. Returns (N,) int64 tokens.
+    """
+    _check_args(q_logits, uniforms, temperature, top_k, name="q_logits")
+    check_float("p_logits", p_logits, 2)
+    if p_logits.shape != q_logits.shape or p_logits.device != q_logits.device:
+        raise ValueError(f"p_logits must have q_logits' shape {tuple(q_logits.shape)}, got {tuple(p_logits.shape)}")
+    if temperature == 0:
+        return q_logits.argmax(-1)
+    return _launch(q_logits, p_logits, uniforms, temperature, top_k, block_v)[0]

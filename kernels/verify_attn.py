@@ -1,0 +1,68 @@
+"""Triton multi-order verification attention with a shared, once-read prefix.
+
+Token r of order o attends to ``cache[:cache_lens[b]]`` and causally to tokens
+``0..r`` of its own order. The O·R queries of a (b, h) are one flattened row
+axis, so a query tile spans several orders when R is small, and each cache tile
+is loaded once per tile of 64 queries, for all the orders in it, then the same
+online softmax continues over the tile's causal suffix (cascade attention: the
+prefix and suffix parts meet in one log-sum-exp).
+
+Prefix traffic: repeating the prefix per order (the reference, or SDPA over a
+concatenated ``[cache; suffix]`` per order) reads O·L·D keys and values per
+(b, h). Here it is ceil(O·R / 64)·L·D from L2 and, since the query tiles of
+one (b, h) run next to each other, about L·D from DRAM: O times less. For
+O·R <= 64 it is exactly one read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .utils import MAX_HEAD_DIM, cascade_attention, check_float, check_int, check_same
+
+
+def _check(q, k, v, k_cache, v_cache, cache_lens) -> None:
+    check_float("q", q, 5)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+    check_float("k_cache", k_cache, 4)
+    check_same("v_cache", v_cache, "k_cache", k_cache)
+    B, O, H, R, D = q.shape
+    if k_cache.dtype != q.dtype or k_cache.device != q.device:
+        raise ValueError(f"k_cache must match q's dtype/device ({q.dtype}, {q.device}), got {k_cache.dtype}, {k_cache.device}")
+    if (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) != (B, H, D):
+        raise ValueError(f"k_cache must have shape (B={B}, H={H}, L, D={D}), got {tuple(k_cache.shape)}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={D} is over the supported maximum {MAX_HEAD_DIM}")
+    check_int("cache_lens", cache_lens, (B,), q.device)
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    scale: Optional[float] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention of O orders of R tokens sharing one KV-cache prefix.
+
+    q, k, v: (B, O, H, R, D) float32/float16/bfloat16, any strides; k_cache,
+    v_cache: (B, H, L, D); cache_lens: (B,) int32/int64 in [0, L]. scale
+    defaults to 1/sqrt(D). Returns (B, O, H, R, D) in q's dtype, written into
+    ``out`` when given. ``num_splits`` forces the number of KV splits.
+    """
+    _check(q, k, v, k_cache, v_cache, cache_lens)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check_same("out", out, "q", q)
+    if q.numel() == 0:
+        return out
+    return cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale, out, num_splits)

@@ -1,0 +1,247 @@
+"""Plots and markdown tables from a pytest-benchmark JSON of ``pytest benchmarks/``.
+
+    pytest benchmarks/ --benchmark-only --benchmark-json=/tmp/bench.json
+    python scripts/plot_benchmarks.py /tmp/bench.json             # benchmarks/steps.png + throughput.png
+    python scripts/plot_benchmarks.py /tmp/bench.json --markdown  # the tables of benchmarks/RESULTS.md
+
+The steps figure redraws the paper's "performance vs steps" plot: task
+validity against the mean number of burst iterations for 1…N verification
+orders (and the lossless rule), with the paper's / theory's step counts and
+the autoregressive step count as vertical lines. Top row: exact oracles;
+bottom row: the small trained models. The throughput figure shows tokens/s
+per strategy. Plotting needs matplotlib (``pip install -e ".[plot]"``); the
+markdown tables do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "benchmarks"
+MY_KINDS = ("oracle_steps", "model_steps", "throughput")
+
+
+def load(path: Path) -> tuple[dict, list[dict]]:
+    data = json.loads(Path(path).read_text())
+    if "benchmarks" not in data:
+        raise ValueError(f"{path} is not a pytest-benchmark JSON (no 'benchmarks' key)")
+    return data.get("machine_info", {}), data["benchmarks"]
+
+
+def by_kind(benchmarks: list[dict], kind: str) -> list[dict]:
+    return [b["extra_info"] for b in benchmarks if b.get("extra_info", {}).get("kind") == kind]
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        if abs(x) >= 1e4:
+            return f"{x:,.0f}"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def rule_label(e: dict) -> str:
+    if e["strategy"] == "autoregressive":
+        return "autoregressive"
+    if e["strategy"].startswith("reference"):
+        return e["strategy"]
+    return f"burst {e['acceptance']}" + (f", {e['num_orders']} orders" if e["acceptance"] == "paper" else "")
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def oracle_table(entries: list[dict]) -> str:
+    rows = []
+    for e in sorted(entries, key=lambda e: (e["task"], e["acceptance"] != "paper", e["num_orders"])):
+        rows.append([
+            e["task"], rule_label(e), f"{e['iterations_mean']:.2f} ± {e['iterations_std']:.2f}",
+            f"{e['metric_name']} {e['metric_value']:.3f}", e.get("paper_note"), e.get("sim_note"), e["n_sequences"],
+        ])
+    return table(["task (T=100)", "rule", "iterations (mean ± std)", "validity", "paper / theory",
+                  "perfect-model simulation", "sequences"], rows)
+
+
+def model_table(entries: list[dict]) -> str:
+    rows = []
+    for e in sorted(entries, key=lambda e: (e["model"], e["strategy"] != "autoregressive",
+                                            e.get("acceptance") != "paper", e["num_orders"])):
+        metric = "–" if e.get("metric_name") is None else f"{e['metric_name']} {e['metric_value']:.3f}"
+        rows.append([
+            e["model"], rule_label(e), f"{e['iterations_mean']:.1f} ± {e['iterations_std']:.1f}",
+            e["forward_calls"], e["accepted_per_iter"], fmt(e["ar_iterations"] / e["iterations_mean"], 1) + "×",
+            metric, e["n_sequences"],
+        ])
+    return table(["model", "strategy", "iterations / sequence", "model forward calls", "tokens / iteration",
+                  "fewer steps than AR", "validity", "sequences"], rows)
+
+
+def throughput_table(entries: list[dict]) -> str:
+    groups = defaultdict(dict)
+    for e in entries:
+        groups[(e["model"], e["new_tokens"], e["batch_size"])][rule_label(e)] = e
+    rows = []
+    for key in sorted(groups):
+        ar = groups[key].get("autoregressive")
+        for label, e in sorted(groups[key].items(), key=lambda kv: kv[0] != "autoregressive"):
+            speed = e["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+            flops = e["flops_per_seq"] / ar["flops_per_seq"] if ar else None
+            rows.append([
+                e["model"], e["new_tokens"], e["batch_size"], label, e["tokens_per_s"],
+                fmt(speed) + "×" if speed else "–", e["forward_calls"], fmt(e.get("iterations_mean"), 1),
+                e["flops_per_seq"] / 1e9, fmt(flops, 1) + "×" if flops else "–",
+            ])
+    return table(["model", "new tokens", "batch", "strategy", "tokens/s", "vs AR", "forward calls",
+                  "iterations / seq", "GFLOP / sequence", "FLOPs vs AR"], rows)
+
+
+def other_table(benchmarks: list[dict]) -> str:
+    rows = []
+    for b in benchmarks:
+        info = b.get("extra_info", {})
+        if info.get("kind") in MY_KINDS:
+            continue
+        shown = ", ".join(f"{k}={fmt(v)}" for k, v in info.items() if isinstance(v, (int, float, str)))
+        rows.append([b["name"], b["stats"]["mean"] * 1e3, shown])
+    return table(["benchmark", "mean ms", "figures"], rows) if rows else ""
+
+
+def markdown(machine: dict, benchmarks: list[dict]) -> str:
+    device = machine.get("sigmafast_device", machine.get("cpu", {}).get("brand_raw", "unknown device"))
+    parts = [f"### {device}", ""]
+    sections = [
+        ("Steps: exact oracles", oracle_table, by_kind(benchmarks, "oracle_steps")),
+        ("Steps: small trained models", model_table, by_kind(benchmarks, "model_steps")),
+        ("Throughput", throughput_table, by_kind(benchmarks, "throughput")),
+    ]
+    for title, fn, entries in sections:
+        if entries:
+            parts += [f"#### {title}", "", fn(entries), ""]
+    other = other_table(benchmarks)
+    if other:
+        parts += ["#### Other benchmarks (kernels)", "", other, ""]
+    return "\n".join(parts)
+
+
+def _vlines(ax, e: dict) -> None:
+    ax.axvline(e["ar_iterations"], color="grey", ls=":", lw=1, label="autoregressive")
+    if e.get("theory_iterations") is not None:
+        ax.axvline(e["theory_iterations"], color="tab:green", ls="--", lw=1, label="theory")
+    if e.get("paper_iterations") is not None:
+        lo = e["paper_iterations"] - (e.get("paper_iterations_std") or 0)
+        hi = e["paper_iterations"] + (e.get("paper_iterations_std") or 0)
+        ax.axvline(e["paper_iterations"], color="tab:red", ls="--", lw=1, label="paper")
+        if hi > lo:
+            ax.axvspan(lo, hi, color="tab:red", alpha=0.1)
+    if e.get("sim_iterations") is not None:
+        ax.axvline(e["sim_iterations"], color="tab:purple", ls="-.", lw=1, label="simulation (5 orders)")
+
+
+def _steps_panel(ax, entries: list[dict], title: str) -> None:
+    burst = [e for e in entries if e["strategy"] == "burst"]
+    paper = sorted((e for e in burst if e["acceptance"] == "paper"), key=lambda e: e["num_orders"])
+    if paper:
+        xs = [e["iterations_mean"] for e in paper]
+        ys = [e["metric_value"] for e in paper]
+        ax.errorbar(xs, ys, xerr=[e["iterations_std"] for e in paper], marker="o", capsize=2,
+                    color="tab:blue", label="burst, paper rule")
+        for e, x, y in zip(paper, xs, ys):
+            ax.annotate(f"{e['num_orders']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for e in burst:
+        if e["acceptance"] == "lossless":
+            ax.errorbar([e["iterations_mean"]], [e["metric_value"]], xerr=[e["iterations_std"]], marker="s",
+                        capsize=2, color="tab:orange", ls="none", label="burst, lossless")
+    for e in entries:
+        if e["strategy"] == "autoregressive":
+            ax.plot([e["iterations_mean"]], [e["metric_value"]], marker="^", color="black", ls="none",
+                    label="autoregressive (model)")
+    if entries:
+        _vlines(ax, entries[0])
+        ax.set_ylabel(entries[0]["metric_name"])
+    ax.set_xscale("log")
+    ax.set_xlabel("iterations per sequence (model evaluations)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit('plot_benchmarks: matplotlib is not installed; run  pip install -e ".[plot]"  (or use --markdown)')
+    written = []
+    oracles = by_kind(benchmarks, "oracle_steps")
+    models = [e for e in by_kind(benchmarks, "model_steps") if e.get("metric_name") is not None]
+    panels = [("oracle", t, [e for e in oracles if e["task"] == t]) for t in sorted({e["task"] for e in oracles})]
+    panels += [("model", m, [e for e in models if e["model"] == m]) for m in sorted({e["model"] for e in models})]
+    if panels:
+        cols = 3
+        rows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+        for ax, (kind, name, entries) in zip(axes.flat, panels):
+            _steps_panel(ax, entries, f"{name} ({'exact oracle' if kind == 'oracle' else 'small model'})")
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(f"Validity vs burst iterations — {machine.get('sigmafast_device', '')}", fontsize=11)
+        fig.tight_layout()
+        written.append(out_dir / "steps.png")
+        fig.savefig(written[-1], dpi=90)
+        plt.close(fig)
+    tp = by_kind(benchmarks, "throughput")
+    if tp:
+        groups = sorted({(e["model"], e["new_tokens"], e["batch_size"]) for e in tp})
+        labels = sorted({rule_label(e) for e in tp}, key=lambda s: (s != "autoregressive", s))
+        fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups)), 3.6))
+        width = 0.8 / len(labels)
+        for i, label in enumerate(labels):
+            vals = []
+            for g in groups:
+                match = [e for e in tp if (e["model"], e["new_tokens"], e["batch_size"]) == g and rule_label(e) == label]
+                vals.append(match[0]["tokens_per_s"] if match else 0.0)
+            ax.bar([j + i * width for j in range(len(groups))], vals, width, label=label)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+        ax.set_xticklabels([f"{m}\n{n} tok, batch {b}" for m, n, b in groups], fontsize=8)
+        ax.set_ylabel("generated tokens / s")
+        ax.set_yscale("log")
+        ax.set_title(f"Throughput — {machine.get('sigmafast_device', '')}", fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        written.append(out_dir / "throughput.png")
+        fig.savefig(written[-1], dpi=90)
+        plt.close(fig)
+    return written
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("json", type=Path, help="pytest-benchmark JSON (--benchmark-json=PATH)")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where steps.png / throughput.png go")
+    parser.add_argument("--markdown", action="store_true", help="print the RESULTS.md tables instead of plotting")
+    args = parser.parse_args(argv)
+    if not args.json.is_file():
+        parser.error(f"{args.json} does not exist; run pytest benchmarks/ --benchmark-only --benchmark-json=PATH")
+    machine, benchmarks = load(args.json)
+    if args.markdown:
+        print(markdown(machine, benchmarks))
+        return
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for path in plot(benchmarks, machine, args.out_dir):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

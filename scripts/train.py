@@ -1,0 +1,57 @@
+"""Train a σ-GPT: ``python scripts/train.py --task permutation --preset tiny --max-iters 300``.
+
+Every flag is a field of :class:`sigmafast.train.TrainConfig` (``--max-iters`` is
+``max_iters``). Under ``torchrun --nproc_per_node=N`` the same command trains
+with DistributedDataParallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+
+from sigmafast.train import TrainConfig, train
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One kebab-case flag per :class:`TrainConfig` field; ``None`` defaults mean the preset's value."""
+    parser = _Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        annotation = hints[f.name]
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        base = args[0] if args else annotation
+        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = base
+            kwargs["metavar"] = base.__name__.upper()
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+            kwargs.pop("metavar", None)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+    return parser
+
+
+def main(argv: typing.Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        result = train(TrainConfig(**vars(args)))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 130 if result.interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

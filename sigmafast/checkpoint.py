@@ -1,0 +1,124 @@
+"""Checkpoints: atomic writes, compatibility checks, RNG states and :func:`load_checkpoint`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import suppress
+from pathlib import Path
+import torch
+
+from .model import SigmaGPT, SigmaGPTConfig
+from .train_config import TrainConfig
+
+CKPT_NAME = "ckpt.pt"
+REQUIRED_KEYS = frozenset(
+    {"model", "optimizer", "model_config", "train_config", "task", "iter", "rng", "best_val_loss", "history"}
+)
+
+
+def checkpoint_path(out_dir) -> Path:
+    return Path(out_dir) / CKPT_NAME
+
+
+def atomic_save(obj, path) -> Path:
+    """``torch.save`` to a temporary file in the same folder, then ``os.replace`` it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def read_checkpoint(path) -> dict:
+    """The raw checkpoint dict at ``path`` (tensors on CPU); clear errors when missing or foreign."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}: train without --resume first, or fix --out-dir")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several unrelated types for corrupt or foreign files
+        raise ValueError(f"{path} is not a readable sigmafast checkpoint ({type(e).__name__}: {e})") from None
+    missing = REQUIRED_KEYS - set(ckpt) if isinstance(ckpt, dict) else REQUIRED_KEYS
+    if missing:
+        raise ValueError(f"{path} is not a sigmafast checkpoint: missing {sorted(missing)}")
+    return ckpt
+
+
+def task_record(task, kwargs: dict) -> dict:
+    """What identifies a task in a checkpoint: its name, its arguments and its shape."""
+    return {"name": task.name, "kwargs": dict(kwargs), "seq_len": task.seq_len, "vocab_size": task.vocab_size}
+
+
+def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path) -> None:
+    """Raise ``ValueError`` listing every architecture or task field that differs from the checkpoint."""
+    diffs = []
+    stored, now = ckpt["model_config"], model_config.to_dict()
+    for k in sorted(set(stored) | set(now)):
+        if stored.get(k) != now.get(k):
+            diffs.append(f"{k}: checkpoint {stored.get(k)!r}, now {now.get(k)!r}")
+    for k in ("name", "seq_len", "vocab_size"):
+        if ckpt["task"].get(k) != task.get(k):
+            diffs.append(f"task {k}: checkpoint {ckpt['task'].get(k)!r}, now {task.get(k)!r}")
+    if diffs:
+        raise ValueError(f"checkpoint {path} was written by another configuration: " + "; ".join(diffs))
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's global torch RNG states (CPU, and the current CUDA device if any)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def load_checkpoint(path, device="cpu") -> tuple[SigmaGPT, object, TrainConfig]:
+    """``(model, task, train_cfg)`` from a checkpoint; the model is in eval mode on ``device``.
+
+    The task is rebuilt through ``get_task`` with the arguments stored at training time.
+    """
+    from .tasks import get_task
+
+    ckpt = read_checkpoint(path)
+    train_cfg = TrainConfig.from_dict(ckpt["train_config"])
+    task = get_task(ckpt["task"]["name"], **ckpt["task"]["kwargs"])
+    model = SigmaGPT(SigmaGPTConfig.from_dict(ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), task, train_cfg
+
+
+def build_checkpoint(
+    model: SigmaGPT,
+    optimizer: torch.optim.Optimizer,
+    train_cfg: TrainConfig,
+    task: dict,
+    iteration: int,
+    rng: list,
+    best_val_loss: dict,
+    history: list,
+) -> dict:
+    """The checkpoint dict; ``rng`` holds one :func:`rng_state` per DDP rank."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "model_config": model.config.to_dict(),
+        "train_config": train_cfg.to_dict(),
+        "task": task,
+        "iter": iteration,
+        "rng": rng,
+        "best_val_loss": dict(best_val_loss),
+        "history": list(history),
+    }

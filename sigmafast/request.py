@@ -1,0 +1,208 @@
+"""What the cached sampler and the naive reference share: argument checking, the
+randomness protocol and the statistics record.
+
+Both samplers must consume exactly the same random tensors in the same order,
+so the draws live here (see :mod:`sigmafast.sampler` for the protocol).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Union
+
+import torch
+import torch.nn as nn
+
+STRATEGIES = ("burst", "autoregressive")
+ACCEPTANCE_RULES = ("paper", "lossless")
+AR_ORDERS = ("random", "left-to-right", "fractal")
+DRAW_DTYPE = torch.float64  # every uniform and order key is drawn in float64
+
+
+class Request(NamedTuple):
+    """Normalised sampling arguments."""
+
+    canvas: torch.Tensor  # (B, T) int64, unknown entries set to 0
+    known: torch.Tensor  # (B, T) bool
+    temperature: float
+    top_k: Optional[int]
+    strategy: str
+    order: Union[str, torch.Tensor]  # a name of AR_ORDERS or a (B, T) permutation tensor
+    num_orders: int
+    acceptance: str
+    generator: Optional[torch.Generator]
+
+
+@dataclass
+class SampleStats:
+    """Statistics of one ``generate`` call.
+
+    ``accepted[b, i]`` is the number of tokens row b committed at global
+    iteration i (0 once the row is finished); ``burst_lengths[b, i]`` is the
+    chosen order's accepted draft prefix (before a lossless residual token;
+    ``None`` for the autoregressive strategy). ``forward_calls`` counts the
+    algorithm's batched model calls: one prefill when any position is known,
+    then one per autoregressive step or two (draft + verify) per burst
+    iteration. The naive reference reports the same algorithmic count.
+    """
+
+    iterations: torch.Tensor  # (B,) int64
+    forward_calls: int
+    accepted: torch.Tensor  # (B, n_iter) int64
+    burst_lengths: Optional[torch.Tensor]  # (B, n_iter) int64 or None
+    wall_time: float  # seconds
+
+    @property
+    def mean_iterations(self) -> float:
+        return float(self.iterations.double().mean()) if self.iterations.numel() else 0.0
+
+
+def build_stats(accepted: list, lengths: Optional[list], batch_size: int, device, forward_calls: int,
+                wall_time: float) -> SampleStats:
+    """Stack per-iteration (B,) count tensors into a :class:`SampleStats`."""
+    acc = torch.stack(accepted, 1) if accepted else torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+    lens = None
+    if lengths is not None:
+        lens = torch.stack(lengths, 1) if lengths else torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+    return SampleStats((acc > 0).sum(1), forward_calls, acc, lens, wall_time)
+
+
+def model_limits(model) -> tuple[int, int, torch.device]:
+    """(vocab_size, block_size, device) of a SigmaGPT or of an oracle."""
+    if isinstance(model, nn.Module) and hasattr(model, "config"):
+        cfg = model.config
+        return cfg.vocab_size, cfg.block_size, next(model.parameters()).device
+    if all(hasattr(model, a) for a in ("vocab_size", "block_size", "prefill")):
+        return model.vocab_size, model.block_size, getattr(model, "device", torch.device("cpu"))
+    raise TypeError(
+        "model must be a SigmaGPT or an oracle with vocab_size, block_size and prefill(), "
+        f"got {type(model).__name__}"
+    )
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_order_tensor(order: torch.Tensor, shape: tuple, name: str = "order") -> torch.Tensor:
+    """A (B, T) integer tensor whose rows are permutations of 0..T-1."""
+    if order.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"{name} must be an integer tensor, got {order.dtype}")
+    if tuple(order.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape (B, T) = {tuple(shape)}, got {tuple(order.shape)}")
+    order = order.long()
+    T = shape[1]
+    if not torch.equal(order.sort(1).values, torch.arange(T, device=order.device).expand(shape)):
+        raise ValueError(f"every row of {name} must be a permutation of 0..{T - 1}")
+    return order
+
+
+def prepare(model, idx, max_new_tokens, temperature, top_k, known, strategy, order, num_orders, acceptance,
+            generator) -> Request:
+    """Validate ``generate``'s arguments and build the (B, T) canvas and known mask."""
+    vocab_size, block_size, device = model_limits(model)
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(f"idx must be an integer tensor of token ids, got {idx.dtype}")
+    if idx.dim() != 2 or idx.shape[0] < 1:
+        raise ValueError(f"idx must have shape (B >= 1, T), got {tuple(idx.shape)}")
+    if idx.device != device:
+        raise ValueError(f"idx is on {idx.device} but the model is on {device}")
+    B = idx.shape[0]
+    if known is None:
+        if max_new_tokens is None:
+            raise ValueError("max_new_tokens is required when known is None (prompt mode)")
+        _check_int("max_new_tokens", max_new_tokens, 0)
+        canvas = torch.cat([idx.long(), idx.new_zeros(B, max_new_tokens, dtype=torch.long)], 1)
+        known = torch.zeros_like(canvas, dtype=torch.bool)
+        known[:, : idx.shape[1]] = True
+    else:
+        if max_new_tokens is not None:
+            raise ValueError(
+                "max_new_tokens must be None when known is given: with infilling, idx is the whole (B, T) "
+                "canvas and the unknown positions are known == False"
+            )
+        if not isinstance(known, torch.Tensor) or known.dtype != torch.bool:
+            raise TypeError(f"known must be a bool tensor, got {getattr(known, 'dtype', type(known).__name__)}")
+        if known.shape != idx.shape:
+            raise ValueError(f"known must have the shape of idx {tuple(idx.shape)}, got {tuple(known.shape)}")
+        known = known.to(device)
+        canvas = torch.where(known, idx.long(), torch.zeros_like(idx, dtype=torch.long))
+    T = canvas.shape[1]
+    if T > block_size:
+        raise ValueError(f"canvas length {T} exceeds the model's block_size {block_size}")
+    bad = known & ((canvas < 0) | (canvas >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"known tokens must be ids in [0, vocab_size={vocab_size})")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None:
+        _check_int("top_k", top_k, 1)
+    _check_int("num_orders", num_orders, 1)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    if acceptance == "lossless" and num_orders != 1:
+        raise ValueError(
+            f"acceptance='lossless' uses a single order chosen before drafting: pass num_orders=1 (got {num_orders})"
+        )
+    if isinstance(order, torch.Tensor):
+        if strategy != "autoregressive":
+            raise ValueError("an order tensor is only used with strategy='autoregressive'")
+        order = check_order_tensor(order.to(device), canvas.shape)
+    elif order not in AR_ORDERS:
+        raise ValueError(f"order must be one of {AR_ORDERS} or a (B, T) tensor, got {order!r}")
+    elif strategy == "burst" and order != "random":
+        raise ValueError(f"strategy='burst' always verifies random orders; order={order!r} needs 'autoregressive'")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    return Request(canvas, known, float(temperature), top_k, strategy, order, num_orders, acceptance, generator)
+
+
+def draw(generator: Optional[torch.Generator], shape: tuple, device) -> torch.Tensor:
+    """Uniforms in [0, 1) of ``shape``, drawn on the generator's device in float64, moved to ``device``."""
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(shape, generator=generator, device=gen_device, dtype=DRAW_DTYPE).to(device)
+
+
+class BurstDraws(NamedTuple):
+    u_draft: torch.Tensor  # (B, T)
+    keys: torch.Tensor  # (B, O, T)
+    u_accept: torch.Tensor  # (B, T)
+    u_residual: torch.Tensor  # (B, T)
+
+
+def draw_burst(generator, batch_size: int, num_orders: int, seq_len: int, device) -> BurstDraws:
+    """The four draws of one burst iteration, always all four, in this order."""
+    B, O, T = batch_size, num_orders, seq_len
+    u_draft = draw(generator, (B, T), device)
+    keys = draw(generator, (B, O, T), device)
+    u_accept = draw(generator, (B, T), device)
+    u_residual = draw(generator, (B, T), device)
+    return BurstDraws(u_draft, keys, u_accept, u_residual)
+
+
+def ar_rank(order: Union[str, torch.Tensor], keys: Optional[torch.Tensor], batch_size: int, seq_len: int,
+            device) -> torch.Tensor:
+    """(B, T) sort key of each position in the autoregressive base order (lower = earlier).
+
+    ``"random"`` uses the drawn keys; a named or given order uses each position's
+    step index in it.
+    """
+    from . import orders as orders_mod
+
+    if isinstance(order, str) and order == "random":
+        return keys
+    if isinstance(order, str):
+        order = orders_mod.make_orders(order, batch_size, seq_len, device=device)
+    steps = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
+    return orders_mod.unshuffle(steps, order).to(DRAW_DTYPE)

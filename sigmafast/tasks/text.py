@@ -1,0 +1,158 @@
+"""Text language-modelling tasks: character-level on any file, GPT-2 BPE token files.
+
+* ``CharTask``: vocabulary = the sorted distinct characters of one UTF-8 file
+  plus one reserved BOS id (the last), first 90% for training, last 10% for
+  validation. The quick demo: ``get_task("char", text="shakespeare.txt")``.
+* ``TokenFileTask``: ``train.bin`` / ``val.bin`` written by
+  ``scripts/prepare_owt.py`` (GPT-2 BPE, uint16, each document followed by
+  ``<|endoftext|>``, which is also the BOS id 50256).
+
+Both draw random windows of ``seq_len`` tokens; a split must hold at least one.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from ..data import (
+    GPT2_EOT,
+    GPT2_VOCAB_SIZE,
+    TOKEN_DTYPE,
+    check_vocab_size,
+    gpt2_encoding,
+    load_token_file,
+    sample_windows,
+    split_paths,
+)
+from .base import Task
+
+TOKEN_DATASETS = {
+    "owt": dict(data_dir="data/owt", prepare="python scripts/prepare_owt.py --data-dir {data_dir}"),
+    "wikitext103": dict(
+        data_dir="data/wikitext103",
+        prepare="python scripts/prepare_owt.py --source wikitext103 --data-dir {data_dir}",
+    ),
+}
+
+
+def _check_split(split: str) -> str:
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    return split
+
+
+def _check_seq_len(seq_len) -> int:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    return seq_len
+
+
+class CharTask(Task):
+    """Character-level modelling of one UTF-8 text file (``text`` is its path)."""
+
+    def __init__(self, text: Union[str, Path, None] = None, seq_len: int = 256, val_fraction: float = 0.1):
+        if text is None:
+            raise ValueError("the char task needs text=PATH (--text FILE), a UTF-8 text file")
+        self.seq_len = _check_seq_len(seq_len)
+        if not 0.0 < float(val_fraction) < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        path = Path(text)
+        if not path.is_file():
+            raise FileNotFoundError(f"char task: text file {path} does not exist")
+        try:
+            content = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"char task: {path} is not UTF-8 text ({exc})") from exc
+        if not content:
+            raise ValueError(f"char task: text file {path} is empty")
+        self.name = "char"
+        self.path = path
+        codepoints = np.frombuffer(content.encode("utf-32-le"), dtype=np.uint32)
+        unique, ids = np.unique(codepoints, return_inverse=True)  # sorted code points = sorted chars
+        self.chars = [chr(c) for c in unique]
+        self.bos = len(self.chars)
+        self.vocab_size = len(self.chars) + 1
+        check_vocab_size(self.vocab_size)
+        self._index = {c: i for i, c in enumerate(self.chars)}
+        ids = ids.astype(TOKEN_DTYPE)
+        cut = int(len(ids) * (1.0 - float(val_fraction)))
+        self._data = {"train": ids[:cut], "val": ids[cut:]}
+        for split, data in self._data.items():
+            if len(data) < self.seq_len:
+                raise ValueError(
+                    f"char task: {path} has {len(ids)} characters; its {split} split ({len(data)}) is shorter "
+                    f"than one window of seq_len={self.seq_len}"
+                )
+
+    def sample_batch(self, batch_size: int, split: str = "train", generator: Optional[torch.Generator] = None):
+        return sample_windows(self._data[_check_split(split)], batch_size, self.seq_len, generator)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - self._index.keys())
+        if unknown:
+            raise ValueError(f"characters {unknown!r} are not in the vocabulary of {self.path}")
+        return [self._index[c] for c in text]
+
+    def decode(self, tokens) -> str:
+        ids = [int(t) for t in tokens]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
+        return "".join(self.chars[i] for i in ids if i != self.bos)
+
+
+class TokenFileTask(Task):
+    """GPT-2 BPE token files ``data_dir/{train,val}.bin`` of ``owt`` or ``wikitext103``."""
+
+    def __init__(self, name: str = "owt", data_dir: Union[str, Path, None] = None, seq_len: int = 1024):
+        if name not in TOKEN_DATASETS:
+            raise ValueError(f"token dataset must be one of {sorted(TOKEN_DATASETS)}, got {name!r}")
+        self.name = name
+        self.seq_len = _check_seq_len(seq_len)
+        self.vocab_size = GPT2_VOCAB_SIZE
+        self.bos = GPT2_EOT
+        self.data_dir = Path(data_dir if data_dir is not None else TOKEN_DATASETS[name]["data_dir"])
+        paths = split_paths(self.data_dir)
+        missing = [str(p) for p in paths.values() if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(self._missing_message(missing))
+        self._data = {split: load_token_file(path, self.seq_len) for split, path in paths.items()}
+
+    def _missing_message(self, missing: list[str]) -> str:
+        prepare = TOKEN_DATASETS[self.name]["prepare"].format(data_dir=self.data_dir)
+        lines = [
+            f"{self.name}: missing token file(s) {', '.join(missing)}. Build them first (nothing is downloaded "
+            "automatically):",
+            f"  {prepare}",
+        ]
+        if self.name == "owt":
+            lines += [
+                "  (full OpenWebText, ~54 GB of downloads and ~17 GB of tokens; needs: pip install -e \".[data]\")",
+                "or a streamed subset of N documents:",
+                f"  python scripts/prepare_owt.py --max-docs 100000 --data-dir {self.data_dir}",
+            ]
+        else:
+            lines.append("  (needs: pip install -e \".[data]\")")
+        lines += ["or any local text files:", f"  python scripts/prepare_owt.py --from-text FILE... --data-dir {self.data_dir}"]
+        return "\n".join(lines)
+
+    def num_tokens(self, split: str) -> int:
+        return len(self._data[_check_split(split)])
+
+    def sample_batch(self, batch_size: int, split: str = "train", generator: Optional[torch.Generator] = None):
+        return sample_windows(self._data[_check_split(split)], batch_size, self.seq_len, generator, self.vocab_size)
+
+    @functools.cached_property
+    def _encoding(self):
+        return gpt2_encoding()
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode_ordinary(text)
+
+    def decode(self, tokens) -> str:
+        return self._encoding.decode([int(t) for t in tokens])

@@ -1,0 +1,443 @@
+"""The σ-GPT trainer: any-order training on a task, single process or DDP under torchrun.
+
+Every micro-batch (data and orders) is drawn from a generator seeded by
+``(seed, step, micro-step index)``, where the index runs over the global
+micro-steps of an optimiser step (rank r takes its own slice). Batches are
+therefore a pure function of the step, so resuming reproduces an uninterrupted
+run exactly, and a DDP run sees the same global batch as a single process with
+the same ``grad_accum``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from . import orders
+from .checkpoint import (
+    atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_checkpoint,
+    rng_state, set_rng_state, task_record,
+)
+from .model import SigmaGPT, SigmaGPTConfig
+from .train_config import TrainConfig, resolve
+
+__all__ = ["TrainConfig", "TrainResult", "train", "load_checkpoint", "learning_rate", "build_model_config"]
+
+log = logging.getLogger(__name__)
+
+_TRAIN_STREAM, _VAL_STREAM, _SAMPLE_STREAM = 0, 1, 2
+# Dense bf16 peak FLOP/s by device-name fragment, for the MFU estimate.
+_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("4090", 165e12),
+               ("A10", 125e12), ("L4", 121e12))
+
+
+@dataclass
+class TrainResult:
+    model: SigmaGPT
+    task: object
+    history: list[dict]
+    checkpoint_path: Path
+    train_log: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+
+
+@dataclass
+class _Layout:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    control_group: Optional[object] = None  # a gloo group for CPU-side collectives under DDP
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def build_model_config(cfg: TrainConfig, task) -> SigmaGPTConfig:
+    """The model config of ``cfg`` for ``task``; ``block_size`` defaults to the task's ``seq_len``."""
+    block_size = task.seq_len if cfg.block_size is None else cfg.block_size
+    if block_size < task.seq_len:
+        raise ValueError(f"TrainConfig.block_size ({block_size}) must be >= the task's seq_len ({task.seq_len})")
+    return SigmaGPTConfig.from_preset(
+        cfg.preset, vocab_size=task.vocab_size, block_size=block_size, bos_token_id=task.bos, **cfg.architecture()
+    )
+
+
+def learning_rate(it: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``lr_decay_iters``."""
+    if it < cfg.warmup_iters:
+        return cfg.lr * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.min_lr)
+
+
+def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on the >= 2-D weights only; fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    extra = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **extra)
+
+
+def estimate_mfu(config: SigmaGPTConfig, n_params: int, seq_len: int, tokens_per_s: float, device) -> Optional[float]:
+    """nanoGPT's model-FLOPs utilisation estimate (PaLM appendix B); None off CUDA or on unknown GPUs."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((flops for key, flops in _PEAK_FLOPS if key in name), None)
+    if peak is None:
+        return None
+    flops_per_token = 6 * n_params + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
+    return flops_per_token * tokens_per_s / peak
+
+
+def _generator(seed: int, stream: int, step: int = 0, index: int = 0) -> torch.Generator:
+    state = np.random.SeedSequence([seed, stream, step, index]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state) & (2**63 - 1))
+
+
+def get_batch(task, cfg: TrainConfig, step: int, index: int, start_pos: int, device: torch.device):
+    """Micro-batch ``index`` of optimiser step ``step``: shuffled (tokens, in_pos, out_pos, targets)."""
+    g = _generator(cfg.seed, _TRAIN_STREAM, step, index)
+    x = task.sample_batch(cfg.batch_size, "train", g)  # (B, T)
+    fraction = curriculum_l2r(step, cfg)
+    order = orders.make_orders(cfg.order, *x.shape, generator=g, fraction=fraction)
+    batch = orders.shuffle(x, order, task.bos, start_pos)
+    if device.type == "cuda":
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+    return tuple(t.to(device) for t in batch)
+
+
+def curriculum_l2r(step: int, cfg: TrainConfig) -> float:
+    """Scheduled left-to-right share of the batch at ``step`` (0 unless ``order == "curriculum"``)."""
+    if cfg.order != "curriculum":
+        return 0.0
+    return orders.curriculum_fraction(step, cfg.max_iters, cfg.curriculum_start)
+
+
+def make_val_batches(task, cfg: TrainConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed validation batches ``(x, random order)``, identical at every evaluation."""
+    g = _generator(cfg.seed, _VAL_STREAM)
+    batches = []
+    for _ in range(cfg.eval_iters):
+        x = task.sample_batch(cfg.batch_size, "val", g)
+        batches.append((x, orders.random(*x.shape, generator=g)))
+    return batches
+
+
+@torch.no_grad()
+def estimate_val_loss(model: SigmaGPT, batches, order: str, bos: int, autocast, device) -> float:
+    """Mean loss over ``batches`` in their random order or in left-to-right order."""
+    total = torch.zeros((), device=device)
+    for x, rand in batches:
+        sigma = rand if order == "random" else orders.left_to_right(*x.shape)
+        tokens, in_pos, out_pos, targets = orders.shuffle(x, sigma, bos, model.config.start_pos)
+        with autocast:
+            _, loss = model(tokens.to(device), in_pos.to(device), out_pos.to(device), targets.to(device))
+        total += loss.float()
+    return (total / len(batches)).item()
+
+
+def _numeric_metrics(metrics) -> bool:
+    return isinstance(metrics, dict) and bool(metrics) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()
+    )
+
+
+@torch.no_grad()
+def sample_validity(model: SigmaGPT, task, canvas: torch.Tensor, seed: int, device) -> dict:
+    """``task.evaluate`` of sequences sampled autoregressively (random order) around the task's prompt."""
+    from .reference import generate
+
+    known = task.prompt_mask.to(device).expand(canvas.shape)  # (N, T)
+    g = torch.Generator(device=device).manual_seed(seed)
+    samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g)
+    return task.evaluate(samples.cpu())
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM handlers that ask the loop to checkpoint and stop; restored on exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("%s received: saving a checkpoint and stopping", signal.Signals(signum).name)
+
+    def __enter__(self) -> "_StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _select_device(cfg: TrainConfig, local_rank: int, distributed: bool) -> torch.device:
+    name = cfg.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"TrainConfig.device is {cfg.device!r} but CUDA is not available")
+    if name == "cuda" and distributed:
+        name = f"cuda:{local_rank}"
+    return torch.device(name)
+
+
+def _init_layout(cfg: TrainConfig) -> tuple[_Layout, bool]:
+    """Join the torchrun process group when WORLD_SIZE > 1; returns the layout and whether we own the group."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return _Layout(device=_select_device(cfg, 0, False)), False
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = _select_device(cfg, local_rank, True)
+    owns = not dist.is_initialized()
+    if owns:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return _Layout(rank=rank, world_size=world_size, device=device, control_group=control), owns
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train (or, with ``cfg.resume``, continue training) a σ-GPT on ``cfg.task``; see :class:`TrainConfig`."""
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    layout, owns_group = _init_layout(cfg)
+    try:
+        with _StopRequest() as stop:
+            return _Trainer(cfg, layout, stop).run()
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+class _Trainer:
+    def __init__(self, user_cfg: TrainConfig, layout: _Layout, stop: _StopRequest) -> None:
+        from .tasks import get_task
+
+        self.layout, self.stop, self.device = layout, stop, layout.device
+        task_kwargs = user_cfg.task_kwargs()
+        self.task = get_task(user_cfg.task, **task_kwargs)
+        self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
+        self.task_info = task_record(self.task, task_kwargs)
+        self.model_config = build_model_config(cfg, self.task)
+        self.path = checkpoint_path(cfg.out_dir)
+        ckpt = None
+        if cfg.resume:
+            ckpt = read_checkpoint(self.path)
+            check_compatible(ckpt, self.model_config, self.task_info, self.path)
+
+        use_bf16 = cfg.dtype == "bfloat16" or (
+            cfg.dtype == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        )
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        torch.manual_seed(cfg.seed)
+        self.model = SigmaGPT(self.model_config)
+        if layout.distributed:
+            torch.manual_seed(cfg.seed + layout.rank)
+        self.start_iter, self.history = 0, []
+        self.best_val_loss = {"random": math.inf, "l2r": math.inf}
+        if ckpt is not None:
+            self.model.load_state_dict(ckpt["model"])
+        self.model.to(self.device)
+        self.optimizer = configure_optimizer(self.model, cfg, self.device)
+        if ckpt is not None:
+            self._restore(ckpt)
+
+        net = torch.compile(self.model) if cfg.compile else self.model
+        if layout.distributed:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            net = DistributedDataParallel(net, device_ids=device_ids)
+        self.net = net
+        self.accum = cfg.grad_accum // layout.world_size
+        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.task.seq_len
+        self.train_log: list[dict] = []
+
+    def _restore(self, ckpt: dict) -> None:
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.start_iter, self.history = ckpt["iter"], list(ckpt["history"])
+        self.best_val_loss = dict(ckpt["best_val_loss"])
+        states = ckpt["rng"]
+        if len(states) == self.layout.world_size:
+            set_rng_state(states[self.layout.rank], self.device)
+        else:
+            log.warning("checkpoint has RNG states for %d ranks, running %d: dropout masks are reseeded",
+                        len(states), self.layout.world_size)
+            torch.manual_seed(self.cfg.seed + self.layout.rank + self.start_iter)
+        if self.layout.is_main:
+            log.info("resumed from %s at iter %d", self.path, self.start_iter)
+
+    def _info(self, msg: str, *args) -> None:
+        if self.layout.is_main:
+            log.info(msg, *args)
+
+    def _all_reduce(self, t: torch.Tensor, group=None) -> torch.Tensor:
+        if self.layout.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            t = t / self.layout.world_size
+        return t
+
+    def _stop_requested(self) -> bool:
+        if not self.layout.distributed:
+            return self.stop.requested
+        flag = torch.tensor([int(self.stop.requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.layout.control_group)
+        return bool(flag[0])
+
+    def save(self, it: int) -> None:
+        """Write ``ckpt.pt`` (rank 0) with every rank's RNG state; all ranks must call it."""
+        state = rng_state(self.device)
+        states = [state]
+        if self.layout.distributed:
+            states = [None] * self.layout.world_size
+            dist.all_gather_object(states, state, group=self.layout.control_group)
+        if self.layout.is_main:
+            ckpt = build_checkpoint(self.model, self.optimizer, self.cfg, self.task_info, it, states,
+                                    self.best_val_loss, self.history)
+            atomic_save(ckpt, self.path)
+            log.info("saved %s at iter %d", self.path, it)
+
+    def evaluate(self, it: int) -> None:
+        """Rank 0: validation loss in random and left-to-right order, and sampled validity."""
+        if not self.layout.is_main or (self.history and self.history[-1]["iter"] == it):
+            return
+        self.model.eval()
+        bos = self.task.bos
+        record: dict = {"iter": it}
+        for order in ("random", "l2r"):
+            loss = estimate_val_loss(self.model, self.val_batches, order, bos, self.autocast, self.device)
+            record[f"val_loss_{order}"] = loss
+            record[f"val_ppl_{order}"] = math.exp(min(loss, 700.0))
+            self.best_val_loss[order] = min(self.best_val_loss[order], loss)
+        line = (f"eval iter {it} | val loss random {record['val_loss_random']:.4f} "
+                f"(ppl {record['val_ppl_random']:.2f}) | l2r {record['val_loss_l2r']:.4f} "
+                f"(ppl {record['val_ppl_l2r']:.2f})")
+        if self.canvas is not None:
+            metrics = sample_validity(self.model, self.task, self.canvas, self.cfg.seed, self.device)
+            record.update({f"sample_{k}": float(v) for k, v in metrics.items()})
+            line += " | " + " ".join(f"{k} {float(v):.3f}" for k, v in metrics.items())
+        self.history.append(record)
+        log.info(line)
+        self.model.train()
+
+    def _prepare_eval(self) -> None:
+        self.val_batches = self.canvas = None
+        if not self.layout.is_main:
+            return
+        self.val_batches = make_val_batches(self.task, self.cfg)
+        n = self.cfg.num_eval_samples
+        if n > 0:
+            canvas = self.task.sample_batch(n, "val", _generator(self.cfg.seed, _SAMPLE_STREAM))
+            if _numeric_metrics(self.task.evaluate(canvas)):
+                self.canvas = canvas
+
+    def step(self, it: int) -> torch.Tensor:
+        """One optimiser step; returns this rank's mean micro-batch loss (a device tensor, no sync)."""
+        lr = learning_rate(it, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            index = self.layout.rank * self.accum + micro
+            tokens, in_pos, out_pos, targets = get_batch(
+                self.task, self.cfg, it, index, self.model_config.start_pos, self.device
+            )
+            last = micro == self.accum - 1
+            sync = nullcontext() if last or not self.layout.distributed else self.net.no_sync()
+            with sync:
+                with self.autocast:
+                    _, loss = self.net(tokens, in_pos, out_pos, targets)
+                (loss / self.accum).backward()
+            loss_sum += loss.detach().float()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / self.accum
+
+    def _log(self, it: int, loss: torch.Tensor, window_steps: int, window_start: float) -> None:
+        loss_value = self._all_reduce(loss).item()
+        window_time = time.perf_counter() - window_start
+        cfg = self.cfg
+        tokens_per_s = self.tokens_per_step * window_steps / max(window_time, 1e-9)
+        entry = {"iter": it, "loss": loss_value, "lr": learning_rate(it, cfg), "tokens_per_s": tokens_per_s}
+        parts = [f"iter {it}/{cfg.max_iters}", f"loss {loss_value:.4f}", f"lr {entry['lr']:.2e}",
+                 f"{tokens_per_s:,.0f} tok/s"]
+        if cfg.order == "curriculum":
+            entry["l2r_fraction"] = curriculum_l2r(it, cfg)
+            parts.append(f"l2r {entry['l2r_fraction']:.3f}")
+        mfu = estimate_mfu(self.model_config, self.n_params, self.task.seq_len,
+                           tokens_per_s / self.layout.world_size, self.device)
+        if mfu is not None:
+            entry["mfu"] = mfu
+            parts.append(f"mfu {100 * mfu:.1f}%")
+        eta = (cfg.max_iters - it - 1) * window_time / max(window_steps, 1)
+        parts.append(f"eta {timedelta(seconds=round(eta))}")
+        self.train_log.append(entry)
+        self._info(" | ".join(parts))
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        self.n_params = self.model.num_params()
+        self._info("task %s (T=%d, V=%d) | %s: %.2fM params | order %s | %d tokens/step | %s%s",
+                   self.task.name, self.task.seq_len, self.task.vocab_size, cfg.preset, self.n_params / 1e6,
+                   cfg.order, self.tokens_per_step, self.device,
+                   f" x{self.layout.world_size} ranks" if self.layout.distributed else "")
+        self._prepare_eval()
+        self.model.train()
+        it, stopped = self.start_iter, False
+        window_steps, window_start = 0, time.perf_counter()
+        while it < cfg.max_iters and not stopped:
+            if it % cfg.eval_interval == 0:
+                self.evaluate(it)
+                if it > self.start_iter:
+                    self.save(it)
+                window_steps, window_start = 0, time.perf_counter()
+            loss = self.step(it)
+            window_steps += 1
+            if it % cfg.log_interval == 0 or it == cfg.max_iters - 1:
+                self._log(it, loss, window_steps, window_start)
+                window_steps, window_start = 0, time.perf_counter()
+            it += 1
+            stopped = self._stop_requested()
+        if not stopped:
+            self.evaluate(it)
+        if it > self.start_iter:
+            self.save(it)
+        self.model.eval()
+        return TrainResult(self.model, self.task, self.history, self.path, self.train_log, stopped)

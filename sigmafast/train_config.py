@@ -1,0 +1,213 @@
+"""Training configuration: a validated dataclass, per-preset recipes and their resolution.
+
+Fields left at ``None`` mean "the preset's default". ``gpt2`` / ``gpt2-medium``
+follow the nanoGPT / σ-GPT paper recipe (lr 6e-4 cosine to 6e-5, 2000 warm-up
+steps, weight decay 0.1, betas (0.9, 0.95), clip 1.0, about 0.5M tokens per
+step through gradient accumulation, bf16); ``tiny`` / ``small`` get CPU-sized
+defaults. :func:`resolve` fills every ``None`` once the task and world size
+are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .model import POS_ENCODINGS, PRESETS
+from .orders import ORDER_NAMES
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+# Tokens per optimiser step for the paper-scale presets: nanoGPT's 12 x 1024 x 40.
+PAPER_TOKENS_PER_STEP = 491_520
+
+_PAPER = dict(
+    max_iters=600_000, batch_size=12, lr=6e-4, warmup_iters=2000, beta2=0.95,
+    eval_interval=1000, eval_iters=200, num_eval_samples=0,
+)
+_CPU = dict(
+    max_iters=2000, batch_size=32, grad_accum=1, lr=1e-3, warmup_iters=50, beta2=0.99,
+    eval_interval=100, eval_iters=10, num_eval_samples=64,
+)
+TRAIN_PRESETS: dict[str, dict] = {
+    "tiny": _CPU,
+    "small": {**_CPU, "max_iters": 5000},
+    "gpt2": _PAPER,
+    "gpt2-medium": _PAPER,
+}
+
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding")
+
+
+def _task_names() -> tuple[str, ...]:
+    from .tasks import TASK_NAMES
+
+    return tuple(TASK_NAMES)
+
+
+@dataclass
+class TrainConfig:
+    task: str = field(default="permutation", metadata={"help": "task name (see sigmafast.tasks.TASK_NAMES)"})
+    preset: str = field(default="tiny", metadata={"help": "model preset", "choices": tuple(PRESETS)})
+    n_layer: Optional[int] = field(default=None, metadata={"help": "override the preset's layers"})
+    n_head: Optional[int] = field(default=None, metadata={"help": "override the preset's heads"})
+    n_embd: Optional[int] = field(default=None, metadata={"help": "override the preset's width"})
+    block_size: Optional[int] = field(default=None, metadata={"help": "context length (default: task seq_len)"})
+    dropout: Optional[float] = field(default=None, metadata={"help": "dropout (default 0)"})
+    bias: Optional[bool] = field(default=None, metadata={"help": "biases in Linear/LayerNorm (default on)"})
+    pos_encoding: Optional[str] = field(
+        default=None, metadata={"help": "positional encoding (default sinusoidal)", "choices": POS_ENCODINGS}
+    )
+    seq_len: Optional[int] = field(default=None, metadata={"help": "task sequence length (1-D and text tasks)"})
+    text: Optional[str] = field(default=None, metadata={"help": "text file for --task char"})
+    data_dir: Optional[str] = field(default=None, metadata={"help": "token .bin folder for owt / wikitext103"})
+    out_dir: str = field(default="out", metadata={"help": "where ckpt.pt is written"})
+    max_iters: Optional[int] = field(default=None, metadata={"help": "optimiser steps"})
+    batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per micro-step and rank"})
+    grad_accum: Optional[int] = field(
+        default=None, metadata={"help": "micro-steps per optimiser step, summed over all ranks"}
+    )
+    lr: Optional[float] = field(default=None, metadata={"help": "peak learning rate"})
+    min_lr: Optional[float] = field(default=None, metadata={"help": "final learning rate (default lr/10)"})
+    warmup_iters: Optional[int] = field(default=None, metadata={"help": "linear warm-up steps"})
+    lr_decay_iters: Optional[int] = field(default=None, metadata={"help": "cosine decay length (default max_iters)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on >=2-D weights"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: Optional[float] = field(default=None, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip (0 disables)"})
+    order: str = field(default="random", metadata={"help": "training order", "choices": ORDER_NAMES})
+    curriculum_start: float = field(
+        default=0.5, metadata={"help": "curriculum: left-to-right fraction at step 0, falling to 0"}
+    )
+    eval_interval: Optional[int] = field(default=None, metadata={"help": "steps between evaluations"})
+    eval_iters: Optional[int] = field(default=None, metadata={"help": "validation batches per evaluation"})
+    log_interval: int = field(default=10, metadata={"help": "steps between log lines"})
+    num_eval_samples: Optional[int] = field(
+        default=None, metadata={"help": "sequences sampled for the validity metric (0 disables)"}
+    )
+    seed: int = field(default=1337, metadata={"help": "seed of the model init, data and orders"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    dtype: str = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA, fp32 on CPU", "choices": DTYPES})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    resume: bool = field(default=False, metadata={"help": "continue from out_dir/ckpt.pt"})
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        names = _task_names()
+        if self.task not in names:
+            raise ValueError(f"TrainConfig.task: unknown task {self.task!r}; expected one of {list(names)}")
+        _check_choice("preset", self.preset, tuple(PRESETS))
+        _check_choice("order", self.order, ORDER_NAMES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if self.pos_encoding is not None:
+            _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+            raise ValueError(f"TrainConfig.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "max_iters", "batch_size",
+                     "grad_accum", "lr_decay_iters", "eval_interval", "eval_iters", "log_interval"):
+            _check_range(name, getattr(self, name), low=1)
+        for name in ("warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr"):
+            _check_range(name, getattr(self, name), low=0)
+        _check_range("lr", self.lr, low=0, strict=True)
+        for name in ("beta1", "beta2", "dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {value!r}")
+        if not 0.0 <= self.curriculum_start <= 1.0:
+            raise ValueError(f"TrainConfig.curriculum_start must be in [0, 1], got {self.curriculum_start!r}")
+        if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"TrainConfig.min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        arch = self.architecture()
+        if arch["n_embd"] % (2 * arch["n_head"]) != 0:
+            raise ValueError(
+                f"TrainConfig.n_embd ({arch['n_embd']}) must be divisible by 2*n_head ({2 * arch['n_head']})"
+            )
+
+    def architecture(self) -> dict:
+        """The preset's architecture with this config's overrides (no task fields)."""
+        arch = {k: v for k, v in PRESETS[self.preset].items() if k != "block_size"}
+        arch.update({k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None})
+        return arch
+
+    def task_kwargs(self) -> dict:
+        """Keyword arguments for ``get_task(self.task, **kwargs)``: the task fields that are set."""
+        return {k: getattr(self, k) for k in ("seq_len", "text", "data_dir") if getattr(self, k) is not None}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+def _check_type(name: str, value, annotation) -> None:
+    optional = typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation)
+    base = next(a for a in typing.get_args(annotation) if a is not type(None)) if optional else annotation
+    if value is None:
+        if optional:
+            return
+    elif base is bool:
+        if isinstance(value, bool):
+            return
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+    elif isinstance(value, base):
+        return
+    raise TypeError(f"TrainConfig.{name} must be {_annotation_name(annotation)}, got {value!r}")
+
+
+def _annotation_name(annotation) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if args:
+        return f"{args[0].__name__} or None"
+    return annotation.__name__
+
+
+def _check_choice(name: str, value: str, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"TrainConfig.{name}: unknown {name} {value!r}; expected one of {list(choices)}")
+
+
+def _check_range(name: str, value, low: float, strict: bool = False) -> None:
+    if value is None:
+        return
+    if value < low or (strict and value == low):
+        bound = f"> {low}" if strict else f">= {low}"
+        raise ValueError(f"TrainConfig.{name} must be {bound}, got {value!r}")
+
+
+def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
+    """A copy of ``cfg`` with every preset default filled in.
+
+    ``seq_len`` is the task's; ``world_size`` the number of DDP ranks, which
+    must divide ``grad_accum``.
+    """
+    preset = TRAIN_PRESETS[cfg.preset]
+    values = {k: (preset[k] if getattr(cfg, k) is None and k in preset else getattr(cfg, k))
+              for k in (f.name for f in dataclasses.fields(cfg))}
+    if values["grad_accum"] is None:
+        accum = max(1, round(PAPER_TOKENS_PER_STEP / (values["batch_size"] * seq_len)))
+        values["grad_accum"] = -(-accum // world_size) * world_size
+    values["min_lr"] = values["lr"] / 10 if values["min_lr"] is None else values["min_lr"]
+    if values["lr_decay_iters"] is None:
+        values["lr_decay_iters"] = values["max_iters"]
+    resolved = TrainConfig(**values)
+    if resolved.grad_accum % world_size != 0:
+        raise ValueError(
+            f"TrainConfig.grad_accum ({resolved.grad_accum}) must be divisible by the number of DDP ranks "
+            f"({world_size}): gradient accumulation is split across ranks"
+        )
+    return resolved

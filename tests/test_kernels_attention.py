@@ -1,0 +1,170 @@
+"""Triton burst / verification attention against kernels/reference.py.
+
+The CPU runs use the Triton interpreter (conftest sets TRITON_INTERPRET=1) in
+float32; outputs are pre-filled with NaN so an unwritten element fails. The
+error measure is max |out - ref| / max |ref| (per tensor).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sigmafast.kernels import reference as ref
+from sigmafast.kernels.burst_attn import burst_attention
+from sigmafast.kernels.verify_attn import verify_attention
+
+L_MAX = 200  # > 3 tiles of 64 keys
+
+# (B, H, R, D, cache lengths kind); every value of every axis, the awkward combinations
+CASES = [
+    (1, 1, 1, 16, "empty"),
+    (1, 4, 5, 64, "one"),
+    (3, 1, 17, 16, "odd"),
+    (3, 4, 17, 64, "ragged"),
+    (3, 1, 64, 16, "ragged"),
+    (1, 1, 64, 64, "long"),
+    (3, 4, 1, 16, "long"),
+    (1, 4, 5, 64, "long"),
+    (1, 1, 5, 24, "odd"),  # non-power-of-two head dim
+]
+
+
+def _lens(kind: str, B: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "empty":
+        return torch.zeros(B, dtype=torch.long)
+    if kind == "one":
+        return torch.ones(B, dtype=torch.long)
+    if kind == "odd":
+        return torch.full((B,), 37, dtype=torch.long)
+    if kind == "long":
+        return torch.full((B,), L_MAX - 3, dtype=torch.long)
+    return torch.tensor([0, 1, 130, 65, L_MAX][:B]) if B > 1 else torch.randint(1, L_MAX, (1,), generator=g)
+
+
+def _ids(case) -> str:
+    B, H, R, D, kind = case
+    return f"B{B}-H{H}-R{R}-D{D}-{kind}"
+
+
+def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return ((out.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+def _inputs(shape_q, B, H, D, kind, seed, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape_q, generator=g) for _ in range(3))
+    k_cache, v_cache = (torch.randn(B, H, L_MAX, D, generator=g) for _ in range(2))
+    lens = _lens(kind, B, g)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, k_cache, v_cache)] + [lens.to(device)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_burst_attention_matches_reference(case):
+    B, H, R, D, kind = case
+    q, k, v, kc, vc, lens = _inputs((B, H, R, D), B, H, D, kind, seed=R * 7 + D)
+    out = torch.full_like(q, float("nan"))
+    burst_attention(q, k, v, kc, vc, lens, out=out)
+    want = ref.burst_attention(q, k, v, kc, vc, lens)
+    assert not out.isnan().any()
+    assert _rel_err(out, want) <= 1e-4
+    if kind == "empty":
+        torch.testing.assert_close(out, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_verify_attention_matches_reference(case):
+    B, H, R, D, kind = case
+    O = 2 if R == 64 else 3
+    q, k, v, kc, vc, lens = _inputs((B, O, H, R, D), B, H, D, kind, seed=R * 11 + D)
+    out = torch.full_like(q, float("nan"))
+    verify_attention(q, k, v, kc, vc, lens, out=out)
+    want = ref.verify_attention(q, k, v, kc, vc, lens)
+    assert not out.isnan().any()
+    assert _rel_err(out, want) <= 1e-4
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 4], ids=lambda s: f"splits{s}")
+def test_split_kv_combine(num_splits):
+    B, H, R, D = 3, 2, 5, 16
+    q, k, v, kc, vc, lens = _inputs((B, 2, H, R, D), B, H, D, "ragged", seed=num_splits)
+    out = torch.full_like(q, float("nan"))
+    verify_attention(q, k, v, kc, vc, lens, out=out, num_splits=num_splits)
+    assert _rel_err(out, ref.verify_attention(q, k, v, kc, vc, lens)) <= 1e-4
+    qb, kb, vb = q[:, 0], k[:, 0], v[:, 0]
+    out = torch.full_like(qb, float("nan"))
+    burst_attention(qb, kb, vb, kc, vc, lens, out=out, num_splits=num_splits)
+    assert _rel_err(out, ref.burst_attention(qb, kb, vb, kc, vc, lens)) <= 1e-4
+
+
+def test_strided_inputs_and_scale():
+    """Views straight out of a (B, R, H, D) projection, and an explicit scale."""
+    g = torch.Generator().manual_seed(5)
+    B, H, R, D, L = 2, 3, 6, 32, 70
+    q, k, v = (torch.randn(B, R, H, D, generator=g).transpose(1, 2) for _ in range(3))
+    kc, vc = (torch.randn(B, L, H, D, generator=g).transpose(1, 2) for _ in range(2))
+    lens = torch.tensor([70, 9], dtype=torch.int32)
+    out = burst_attention(q, k, v, kc, vc, lens, scale=0.3)
+    assert _rel_err(out, ref.burst_attention(q, k, v, kc, vc, lens, scale=0.3)) <= 1e-4
+    qo, ko, vo = (torch.randn(B, R, 2, H, D, generator=g).permute(0, 2, 3, 1, 4) for _ in range(3))
+    out = verify_attention(qo, ko, vo, kc, vc, lens, scale=0.3)
+    assert _rel_err(out, ref.verify_attention(qo, ko, vo, kc, vc, lens, scale=0.3)) <= 1e-4
+
+
+def _good(B=1, H=2, R=3, D=16, L=8):
+    return [torch.randn(B, H, R, D) for _ in range(3)] + [torch.randn(B, H, L, D) for _ in range(2)] + [
+        torch.full((B,), 4)
+    ]
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a.__setitem__(0, a[0][0]), "q must have 4 dimensions"),
+        (lambda a: a.__setitem__(1, a[1][:, :, :2]), "k must have the shape of q"),
+        (lambda a: a.__setitem__(2, a[2].double()), "v must have the shape of q|float32"),
+        (lambda a: a.__setitem__(0, a[0].long()), "q must be float32"),
+        (lambda a: a.__setitem__(3, a[3][:, :1]), "k_cache must have shape"),
+        (lambda a: a.__setitem__(4, a[4][..., :8]), "v_cache must have the shape of k_cache"),
+        (lambda a: a.__setitem__(5, a[5].float()), "cache_lens must be an int32/int64 tensor"),
+        (lambda a: a.__setitem__(5, torch.zeros(3, dtype=torch.long)), "cache_lens must be an int32/int64"),
+    ],
+    ids=["rank", "k-shape", "v-dtype", "q-int", "cache-heads", "vcache-dim", "lens-float", "lens-shape"],
+)
+def test_burst_bad_input(mutate, match):
+    args = _good()
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        burst_attention(*args)
+
+
+def test_bad_head_dim_and_verify_rank():
+    with pytest.raises(ValueError, match="over the supported maximum 256"):
+        burst_attention(*_good(D=272))
+    args = _good()
+    with pytest.raises(ValueError, match="q must have 5 dimensions"):
+        verify_attention(*args)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_realistic_shapes(dtype):
+    """GPT-2 small heads (H=12, D=64), R=1024 queries, O=5 orders, a 4096-long cache."""
+    B, H, R, D, O = 2, 12, 1024, 64, 5
+    global L_MAX
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(B, H, 4096, D, generator=g).cuda().to(dtype) for _ in range(2))
+    lens = torch.tensor([4096, 1531], device="cuda")
+    q, k, v = (torch.randn(B, H, R, D, generator=g).cuda().to(dtype) for _ in range(3))
+    f32 = [t.float() for t in (q, k, v, kc, vc)]
+    out = burst_attention(q, k, v, kc, vc, lens)
+    assert _rel_err(out, ref.burst_attention(*f32, lens)) <= GPU_TOL[dtype]
+    q, k, v = (torch.randn(B, O, H, R // 4, D, generator=g).cuda().to(dtype) for _ in range(3))
+    out = verify_attention(q, k, v, kc, vc, lens)
+    f32 = [t.float() for t in (q, k, v, kc, vc)]
+    assert _rel_err(out, ref.verify_attention(*f32, lens)) <= GPU_TOL[dtype]

@@ -1,0 +1,381 @@
+"""Text data: prepare_owt.py round trips, token/char tasks, missing and bad data, tiny training runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sigmafast.data import (
+    GPT2_EOT,
+    MAX_VOCAB_SIZE,
+    TokenWriter,
+    check_vocab_size,
+    encode_documents,
+    gpt2_encoding,
+    load_token_file,
+    safe_split_points,
+    utf8_safe_cut,
+    write_tokens,
+)
+from sigmafast.tasks import get_task
+from sigmafast.tasks.text import CharTask, TokenFileTask
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
+TIKTOKEN_CACHE = SHARED / "tiktoken"
+
+
+def _load_prepare_script():
+    spec = importlib.util.spec_from_file_location("prepare_owt", REPO / "scripts" / "prepare_owt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+prepare_owt = _load_prepare_script()
+
+
+@pytest.fixture
+def shakespeare() -> Path:
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"offline data set {SHAKESPEARE} is absent (../shared/data/tinyshakespeare.txt)")
+    return SHAKESPEARE
+
+
+@pytest.fixture
+def enc(monkeypatch):
+    if not TIKTOKEN_CACHE.is_dir():
+        pytest.skip(f"GPT-2 BPE cache {TIKTOKEN_CACHE} is absent (../shared/tiktoken), tiktoken cannot load offline")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+    return gpt2_encoding()
+
+
+def read_bin(path: Path) -> list[int]:
+    return np.fromfile(path, dtype=np.uint16).tolist()
+
+
+def decode_bin(enc, path: Path) -> str:
+    return enc.decode_bytes(read_bin(path)).decode("utf-8")  # strict: a cut inside a character fails here
+
+
+@pytest.fixture(scope="module")
+def shakespeare_bins(tmp_path_factory):
+    """Shakespeare prepared once with --from-text (module scope: shared by the round-trip and training tests)."""
+    if not SHAKESPEARE.is_file() or not TIKTOKEN_CACHE.is_dir():
+        pytest.skip("../shared/data/tinyshakespeare.txt or ../shared/tiktoken is absent")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+        data_dir = tmp_path_factory.mktemp("owt")
+        assert prepare_owt.main(["--from-text", str(SHAKESPEARE), "--data-dir", str(data_dir)]) == 0
+    return data_dir
+
+
+# --- prepare_owt.py -------------------------------------------------------------------------------------------
+
+
+def test_from_text_round_trip(shakespeare_bins, enc, shakespeare):
+    text = shakespeare.read_text(encoding="utf-8")
+    train, val = decode_bin(enc, shakespeare_bins / "train.bin"), decode_bin(enc, shakespeare_bins / "val.bin")
+    assert train + val == text + "<|endoftext|>"
+    n_train, n_val = len(read_bin(shakespeare_bins / "train.bin")), len(read_bin(shakespeare_bins / "val.bin"))
+    assert n_train + n_val == len(enc.encode_ordinary(text)) + 1
+    assert 0.09 < n_val / (n_train + n_val) < 0.11
+
+
+def test_from_text_several_files_and_utf8_cut(tmp_path, enc):
+    texts = ["naïve café — 東京の夜\n" * 40, "second document 🎉\nπ ≈ 3.14159\n" * 30]
+    files = []
+    for i, text in enumerate(texts):
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_text(text, encoding="utf-8")
+    expected = "".join(t + "<|endoftext|>" for t in texts)
+    for fraction in ("0.05", "0.13", "0.5", "0.77"):
+        out = tmp_path / f"out{fraction}"
+        prepare_owt.main(["--from-text", *map(str, files), "--data-dir", str(out), "--val-fraction", fraction])
+        train, val = decode_bin(enc, out / "train.bin"), decode_bin(enc, out / "val.bin")
+        assert train and val
+        assert train + val == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param("a\nb\n\nc\n \nd \ne\n\n\n f's\n'll\n\t\nx\n1\n2\n!\n?", id="whitespace-runs"),
+        pytest.param("line one\nline two\n" * 50, id="plain-lines"),
+        pytest.param("no newline at all " * 20, id="no-newline"),
+    ],
+)
+def test_parallel_chunked_encoding_matches_whole_text(text, enc):
+    assert safe_split_points(text, 1) == sorted(set(safe_split_points(text, 1)))
+    (chunked,) = encode_documents([text], enc, num_threads=2, chunk_chars=1)
+    assert chunked.tolist() == enc.encode_ordinary(text) + [GPT2_EOT]
+
+
+def test_parallel_chunked_encoding_matches_on_shakespeare(shakespeare, enc):
+    text = shakespeare.read_text(encoding="utf-8")
+    assert len(safe_split_points(text, 4096)) > 200
+    (chunked,) = encode_documents([text], enc, num_threads=2, chunk_chars=4096)
+    assert chunked.tolist() == enc.encode_ordinary(text) + [GPT2_EOT]
+
+
+def test_utf8_safe_cut_moves_past_continuation_bytes(enc):
+    tokens = np.array(enc.encode_ordinary("東京🎉" * 5))
+    for cut in range(len(tokens) + 1):
+        safe = utf8_safe_cut(tokens, cut, enc)
+        assert safe >= cut
+        enc.decode_bytes(tokens[:safe].tolist()).decode("utf-8")
+        enc.decode_bytes(tokens[safe:].tolist()).decode("utf-8")
+
+
+def _fake_datasets(monkeypatch, splits: dict[str, list[str]], calls: list):
+    def load_dataset(name, config=None, *, split, streaming=False, **kwargs):
+        calls.append(dict(name=name, config=config, split=split, streaming=streaming, **kwargs))
+        rows = [{"text": t} for t in splits[split]]
+        return iter(rows) if streaming else rows
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+
+
+def test_openwebtext_max_docs_streams_and_splits_by_document(tmp_path, enc, monkeypatch):
+    docs = [f"Document number {i}.\nIt has some text, {i * 7} words." for i in range(50)]
+    calls = []
+    _fake_datasets(monkeypatch, {"train": docs}, calls)
+    out = tmp_path / "owt"
+    prepare_owt.main(["--max-docs", "40", "--val-fraction", "0.1", "--data-dir", str(out), "--num-workers", "2"])
+    assert calls == [dict(name="Skylion007/openwebtext", config=None, split="train", streaming=True)]
+    train_docs = decode_bin(enc, out / "train.bin").split("<|endoftext|>")[:-1]
+    val_docs = decode_bin(enc, out / "val.bin").split("<|endoftext|>")[:-1]
+    assert len(val_docs) == 4 and len(train_docs) == 36
+    assert sorted(train_docs + val_docs) == sorted(docs[:40])
+    assert [d for d in docs[:40] if d in val_docs] == val_docs  # order kept
+
+
+def test_wikitext103_groups_articles_and_uses_validation_split(tmp_path, enc, monkeypatch):
+    def article(title, n):
+        return [f" = {title} = \n", "", *[f" Sentence {i} about {title} . \n" for i in range(n)], " = = Part = = \n", " more . \n"]
+
+    train_lines = [""] + article("Alpha", 3) + article("Beta", 2) + article("Gamma", 4)
+    val_lines = [""] + article("Delta", 2)
+    calls = []
+    _fake_datasets(monkeypatch, {"train": train_lines, "validation": val_lines}, calls)
+    out = tmp_path / "wt"
+    prepare_owt.main(["--source", "wikitext103", "--data-dir", str(out), "--num-workers", "1"])
+    assert {(c["name"], c["config"], c["split"]) for c in calls} == {
+        ("Salesforce/wikitext", "wikitext-103-raw-v1", "train"),
+        ("Salesforce/wikitext", "wikitext-103-raw-v1", "validation"),
+    }
+    train_articles = decode_bin(enc, out / "train.bin").split("<|endoftext|>")[:-1]
+    assert [a.splitlines()[0] for a in train_articles] == [" = Alpha = ", " = Beta = ", " = Gamma = "]
+    assert "".join(train_articles) == "".join(train_lines)
+    assert decode_bin(enc, out / "val.bin") == "".join(val_lines) + "<|endoftext|>"
+    task = TokenFileTask("wikitext103", data_dir=out, seq_len=8)
+    assert task.num_tokens("val") == len(read_bin(out / "val.bin"))
+
+
+def test_missing_datasets_package_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    with pytest.raises(SystemExit, match=r'pip install -e "\.\[data\]"'):
+        prepare_owt.main(["--max-docs", "10", "--data-dir", str(tmp_path / "owt")])
+    assert not (tmp_path / "owt" / "train.bin").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        pytest.param(["--from-text", "EMPTY"], "is empty", id="empty-file"),
+        pytest.param(["--from-text", "MISSING"], "does not exist", id="missing-file"),
+        pytest.param(["--from-text", "BINARY"], "not UTF-8", id="not-utf8"),
+    ],
+)
+def test_prepare_bad_input(argv, match, tmp_path, enc):
+    (tmp_path / "EMPTY").write_text("")
+    (tmp_path / "BINARY").write_bytes(b"\xff\xfe\x00bad")
+    argv = [str(tmp_path / a) if a.isupper() else a for a in argv]
+    with pytest.raises(SystemExit, match=match):
+        prepare_owt.main([*argv, "--data-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "train.bin").exists()
+
+
+# --- TokenFileTask ----------------------------------------------------------------------------------------------
+
+
+def _write_split_files(data_dir: Path, n_train: int, n_val: int) -> None:
+    write_tokens(data_dir / "train.bin", np.arange(n_train) % 1000, 50257)
+    write_tokens(data_dir / "val.bin", 1000 + np.arange(n_val) % 1000, 50257)
+
+
+def test_token_file_task_windows_are_contiguous_and_deterministic(tmp_path):
+    _write_split_files(tmp_path, 5000, 3000)
+    task = get_task("owt", data_dir=str(tmp_path), seq_len=32)
+    assert (task.vocab_size, task.bos, task.seq_len) == (50257, 50256, 32)
+    assert task.evaluate(torch.zeros(2, 32, dtype=torch.long)) == {}
+    batch = task.sample_batch(64, "train", torch.Generator().manual_seed(0))
+    assert batch.shape == (64, 32) and batch.dtype == torch.int64
+    assert torch.equal(batch[:, 1:] % 1000, (batch[:, :-1] + 1) % 1000)  # consecutive file positions
+    assert len(set(batch[:, 0].tolist())) > 40  # random offsets
+    val = task.sample_batch(8, "val", torch.Generator().manual_seed(0))
+    assert bool((val >= 1000).all())
+    again = task.sample_batch(64, "train", torch.Generator().manual_seed(0))
+    other = task.sample_batch(64, "train", torch.Generator().manual_seed(1))
+    assert torch.equal(batch, again) and not torch.equal(batch, other)
+    with pytest.raises(ValueError, match="split"):
+        task.sample_batch(2, "test")
+
+
+def test_token_window_can_cover_the_whole_file(tmp_path):
+    _write_split_files(tmp_path, 16, 16)
+    task = TokenFileTask("owt", data_dir=tmp_path, seq_len=16)
+    assert task.sample_batch(3, "train").tolist() == [list(range(16))] * 3
+
+
+@pytest.mark.parametrize("name, source_flag", [("owt", ""), ("wikitext103", "--source wikitext103 ")])
+def test_missing_token_files_name_the_prepare_command(name, source_flag, tmp_path):
+    data_dir = tmp_path / "nothing" / name
+    with pytest.raises(FileNotFoundError) as info:
+        get_task(name, data_dir=str(data_dir), seq_len=64)
+    message = str(info.value)
+    assert f"python scripts/prepare_owt.py {source_flag}--data-dir {data_dir}" in message
+    assert f"--from-text FILE... --data-dir {data_dir}" in message
+    if name == "owt":
+        assert f"--max-docs 100000 --data-dir {data_dir}" in message
+    assert not data_dir.exists()
+
+
+def test_default_data_dirs_in_missing_message(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"python scripts/prepare_owt.py --data-dir data/owt"):
+        TokenFileTask("owt")
+    with pytest.raises(FileNotFoundError, match=r"--source wikitext103 --data-dir data/wikitext103"):
+        TokenFileTask("wikitext103")
+
+
+@pytest.mark.parametrize(
+    "train_bytes, match",
+    [
+        pytest.param(b"", "is empty", id="empty"),
+        pytest.param(np.arange(10, dtype=np.uint16).tobytes() + b"\x01", "not a whole number", id="odd-bytes"),
+        pytest.param(np.arange(31, dtype=np.uint16).tobytes(), "fewer than one window of seq_len=32", id="short"),
+    ],
+)
+def test_bad_token_files(train_bytes, match, tmp_path):
+    _write_split_files(tmp_path, 100, 100)
+    (tmp_path / "train.bin").write_bytes(train_bytes)
+    with pytest.raises(ValueError, match=match):
+        TokenFileTask("owt", data_dir=tmp_path, seq_len=32)
+
+
+def test_token_ids_beyond_the_vocabulary_are_reported(tmp_path):
+    _write_split_files(tmp_path, 100, 100)
+    write_tokens(tmp_path / "val.bin", np.full(100, 60000), MAX_VOCAB_SIZE)
+    task = TokenFileTask("owt", data_dir=tmp_path, seq_len=32)
+    with pytest.raises(ValueError, match="60000 .*vocab_size=50257"):
+        task.sample_batch(2, "val")
+
+
+def test_vocabulary_must_fit_uint16(tmp_path):
+    check_vocab_size(MAX_VOCAB_SIZE)
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        check_vocab_size(MAX_VOCAB_SIZE + 1)
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        TokenWriter(tmp_path / "x.bin", 70000)
+    with TokenWriter(tmp_path / "y.bin", 100) as writer, pytest.raises(ValueError, match=r"\[0, 100\)"):
+        writer.write([5, 100])
+    # 65536 distinct characters + BOS = 65537 ids: one too many for uint16.
+    chars = [chr(c) for c in range(0x20, 0x20 + MAX_VOCAB_SIZE + 2048) if not 0xD800 <= c <= 0xDFFF]
+    path = tmp_path / "wide.txt"
+    path.write_text("".join(chars[:MAX_VOCAB_SIZE]) * 2, encoding="utf-8")
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        CharTask(path, seq_len=8)
+
+
+def test_load_token_file_accepts_exactly_one_window(tmp_path):
+    write_tokens(tmp_path / "a.bin", np.arange(7), 50257)
+    assert len(load_token_file(tmp_path / "a.bin", 7)) == 7
+    with pytest.raises(ValueError, match="fewer than one window"):
+        load_token_file(tmp_path / "a.bin", 8)
+
+
+# --- CharTask ---------------------------------------------------------------------------------------------------
+
+
+def test_char_task_vocabulary_split_and_round_trip(shakespeare):
+    text = shakespeare.read_text(encoding="utf-8")
+    task = get_task("char", text=str(shakespeare), seq_len=64)
+    assert task.chars == sorted(set(text)) and task.vocab_size == len(task.chars) + 1 == 66
+    assert task.bos == 65
+    assert task.decode(task.encode(text[:500])) == text[:500]
+    batch = task.sample_batch(16, "val", torch.Generator().manual_seed(3))
+    assert batch.shape == (16, 64) and int(batch.max()) < task.bos
+    val_text = text[int(len(text) * 0.9):]
+    assert all(task.decode(row) in val_text for row in batch)
+    assert task.decode([task.bos, *task.encode("To be")]) == "To be"
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        task.encode("€")
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        pytest.param("", "is empty", id="empty"),
+        pytest.param("abc" * 100, "val split .* shorter than one window of seq_len=64", id="short"),
+    ],
+)
+def test_char_task_bad_files(content, match, tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=match):
+        CharTask(path, seq_len=64)
+
+
+def test_char_task_needs_an_existing_utf8_file(tmp_path):
+    with pytest.raises(ValueError, match="needs text=PATH"):
+        get_task("char")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        CharTask(tmp_path / "missing.txt")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\xfa" * 1000)
+    with pytest.raises(ValueError, match="not UTF-8"):
+        CharTask(tmp_path / "bin.txt")
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+def unigram_entropy(ids: np.ndarray) -> float:
+    """Entropy in nats of the empirical token distribution."""
+    counts = np.bincount(ids.astype(np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _train(tmp_path, **overrides):
+    train_module = pytest.importorskip("sigmafast.train", reason="the trainer sigmafast/train.py is not there yet")
+    cfg = train_module.TrainConfig(
+        preset="tiny", seq_len=64, batch_size=16, eval_iters=10, num_eval_samples=0,
+        out_dir=str(tmp_path / "out"), device="cpu", **overrides,
+    )
+    return train_module.train(cfg).history[-1]
+
+
+@pytest.mark.slow
+def test_tiny_model_beats_unigram_entropy_on_bpe(shakespeare_bins, tmp_path):
+    entropy = unigram_entropy(np.fromfile(shakespeare_bins / "train.bin", dtype=np.uint16))
+    last = _train(tmp_path, task="owt", data_dir=str(shakespeare_bins), order="left-to-right", lr=3e-3,
+                  max_iters=300, eval_interval=300)
+    assert last["val_loss_l2r"] < entropy - 0.3, (last, entropy)
+
+
+@pytest.mark.slow
+def test_tiny_model_beats_unigram_entropy_on_chars(shakespeare, tmp_path):
+    text = shakespeare.read_text(encoding="utf-8")
+    train_text = text[: int(len(text) * 0.9)]  # CharTask's train split
+    entropy = unigram_entropy(np.frombuffer(train_text.encode("utf-32-le"), dtype=np.uint32))
+    last = _train(tmp_path, task="char", text=str(shakespeare), order="left-to-right", max_iters=300,
+                  eval_interval=300)
+    assert last["val_loss_l2r"] < entropy - 0.5, (last, entropy)
