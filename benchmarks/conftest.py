@@ -6,6 +6,8 @@ Environment:
   cached (default ``~/.cache/sigmafast/bench``; never inside the repository).
 * ``SIGMAFAST_BENCH_FULL=1``: paper-scale sizes (bigger models, 1024 tokens,
   more sequences). The default is sized for a 2-core CPU, training included.
+* ``SIGMAFAST_BENCH_THREADS=N``: ``torch.set_num_threads(N)`` for the session
+  (on a shared CPU, 1 avoids the collapse of oversubscribed threads).
 
 Every benchmark stores its figures in ``benchmark.extra_info``; the device
 label ("CPU: <model>, N cores" or the GPU name) goes into the JSON's
@@ -15,12 +17,21 @@ uses to label the tables.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from _common import SHARED_DIR, bench_device, bench_full, cache_root, device_label
+
+
+def pytest_configure(config):
+    threads = os.environ.get("SIGMAFAST_BENCH_THREADS")
+    if threads:
+        if not threads.isdigit() or int(threads) < 1:
+            raise pytest.UsageError(f"SIGMAFAST_BENCH_THREADS must be a positive int, got {threads!r}")
+        torch.set_num_threads(int(threads))
 
 
 @pytest.fixture(scope="session")

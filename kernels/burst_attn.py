@@ -2,10 +2,10 @@
 
 The kernel is the cascade attention of :mod:`sigmafast.kernels.utils` with
 segments of one token, so the diagonal self term is one more key in the same
-online softmax as the cache tiles. A query tile holds up to 64 queries of one
-(b, h): for R <= 64 every cache tile is read once for all R queries. When
-B·H·(query tiles) cannot fill the GPU, the cache is split across programs and
-the partial results are merged by log-sum-exp.
+online softmax as the cache tiles. A query tile holds up to BLOCK_M queries of
+one (b, h) (64 for 16-bit inputs): for R <= BLOCK_M every cache tile is read
+once for all R queries. When B·H·(query tiles) cannot fill the GPU, the cache
+is split across programs and the partial results are merged by log-sum-exp.
 """
 
 from __future__ import annotations

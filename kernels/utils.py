@@ -11,8 +11,9 @@ of its KV split through one online softmax (each cache tile is read once per
 query tile, and query tiles of the same (b, h) run side by side, so DRAM sees
 the prefix about once), then continues the same online softmax over the
 causal suffix keys of the tile's segments. With several KV splits, the split
-that owns the suffix is split 0; the partial outputs and log-sum-exps are merged
-by :func:`combine_splits`.
+that owns the suffix is split 0; the fp32 partial outputs and log-sum-exps are
+merged by a second small kernel. fp32 inputs use IEEE fp32 dots (never TF32),
+so the fp32 path is as exact as the reference.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import triton.language as tl
 
 MAX_HEAD_DIM = 256
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_LOG2E = 1.4426950408889634
 
 
 def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -71,7 +71,7 @@ def _cascade_attn_kernel(
     s_cb, s_ch, s_cl, s_cd,
     s_wb, s_wh, s_wl, s_wd,
     s_ob, s_og, s_os, s_oh, s_od,
-    H, M, D, SEG, tiles_per_split, sm_scale,
+    H, M, D, L, SEG, tiles_per_split, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -98,7 +98,7 @@ def _cascade_attn_kernel(
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # prefix: this split's share of cache[:len_b]
-    cache_len = tl.load(LENS + i_b).to(tl.int32)
+    cache_len = tl.minimum(tl.load(LENS + i_b).to(tl.int32), L)  # lengths over L mean the whole cache
     lo = pid_s * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, cache_len)
     o_n = tl.arange(0, BLOCK_N)
@@ -155,7 +155,44 @@ def _cascade_attn_kernel(
         # partial buffers: (SPLIT, B*H, M, BLOCK_D) and (SPLIT, B*H, M), contiguous
         row = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * M + o_m64
         tl.store(O_PART + row[:, None] * BLOCK_D + o_d[None, :], b_o, mask=m_out)
-        tl.store(LSE_PART + row, b_m + tl.log2(b_l), mask=m_row)
+        tl.store(LSE_PART + row, tl.where(b_l > 0.0, b_m + tl.log2(l_safe), float("-inf")), mask=m_row)
+
+
+@triton.jit
+def _combine_kernel(
+    O_PART, LSE_PART, O,
+    s_ob, s_og, s_os, s_oh, s_od,
+    H, M, D, SEG, n_splits,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the KV splits' normalised partial outputs by their base-2 log-sum-exps."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    i_b = (pid_bh // H).to(tl.int64)
+    i_h = (pid_bh % H).to(tl.int64)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m_row = o_m < M
+    o_m64 = o_m.to(tl.int64)
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i_s in range(0, n_splits):
+        row = (i_s * tl.num_programs(1) + pid_bh).to(tl.int64) * M + o_m64
+        b_lse = tl.load(LSE_PART + row, mask=m_row, other=float("-inf"))
+        b_o = tl.load(O_PART + row[:, None] * BLOCK_D + o_d[None, :], mask=m_row[:, None], other=0.0)
+        m_new = tl.maximum(b_m, b_lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(b_m - m_use)
+        b_w = tl.exp2(b_lse - m_use)
+        b_acc = b_acc * alpha[:, None] + b_w[:, None] * b_o
+        b_l = b_l * alpha + b_w
+        b_m = m_new
+    b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
+    row_g = o_m64 // SEG
+    row_s = o_m64 % SEG
+    p_o = O + i_b * s_ob + i_h * s_oh + row_g[:, None] * s_og + row_s[:, None] * s_os + o_d[None, :] * s_od
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & (o_d[None, :] < D))
 
 
 def _split_parts(t: torch.Tensor) -> tuple:
@@ -174,8 +211,14 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale, out, num_spl
         G, S = q.shape[1], q.shape[3]
     M = G * S
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_M = min(64, max(16, triton.next_power_of_2(M)))
-    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    if q.dtype == torch.float32:  # ieee fp32 dots run on FMA units: smaller tiles, no spills
+        BLOCK_M = min(64 if BLOCK_D <= 64 else 32, max(16, triton.next_power_of_2(M)))
+        BLOCK_N = 32 if BLOCK_D <= 64 else 16
+        num_warps, num_stages = 8, 2
+    else:
+        BLOCK_M = min(64, max(16, triton.next_power_of_2(M)))
+        BLOCK_N = 64 if BLOCK_D <= 128 else 32
+        num_warps, num_stages = (4 if BLOCK_D <= 64 else 8), 3
     n_m = triton.cdiv(M, BLOCK_M)
     n_tiles = triton.cdiv(L, BLOCK_N)
     if num_splits is None:
@@ -198,25 +241,13 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale, out, num_spl
         q, k, v, k_cache, v_cache, cache_lens, out, o_part, lse_part,
         *_split_parts(q), *_split_parts(k), *_split_parts(v),
         *k_cache.stride(), *v_cache.stride(), *_split_parts(out),
-        H, M, D, S, tiles_per_split, sm_scale,
+        H, M, D, L, S, tiles_per_split, sm_scale,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SPLIT=num_splits, DOT_PREC=dot_prec,
-        num_warps=4 if BLOCK_D <= 64 else 8, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        o = combine_splits(o_part[..., :D], lse_part)  # (B*H, M, D)
-        o = o.view(B, H, G, S, D)
-        if q.ndim == 4:
-            out.copy_(o.view(B, H, G, D))
-        else:
-            out.copy_(o.permute(0, 2, 1, 3, 4))
+        _combine_kernel[(n_m, B * H)](
+            o_part, lse_part, out, *_split_parts(out), H, M, D, S, num_splits,
+            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4,
+        )
     return out
-
-
-def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
-    """Merge (SPLIT, ..., D) normalised partial outputs by their base-2 log-sum-exps (SPLIT, ...)."""
-    top = lse_part.amax(0)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w = torch.exp2(lse_part - top)  # (SPLIT, ...), zero for empty splits
-    den = w.sum(0)
-    den = torch.where(den == 0, torch.ones_like(den), den)
-    return (w[..., None] * o_part).sum(0) / den[..., None]

@@ -3,15 +3,15 @@
 Token r of order o attends to ``cache[:cache_lens[b]]`` and causally to tokens
 ``0..r`` of its own order. The O·R queries of a (b, h) are one flattened row
 axis, so a query tile spans several orders when R is small, and each cache tile
-is loaded once per tile of 64 queries, for all the orders in it, then the same
-online softmax continues over the tile's causal suffix (cascade attention: the
-prefix and suffix parts meet in one log-sum-exp).
+is loaded once per tile of BLOCK_M queries (64 for 16-bit inputs) for all the
+orders in it; then the same online softmax continues over the tile's causal
+suffix (cascade attention: prefix and suffix meet in one log-sum-exp).
 
-Prefix traffic: repeating the prefix per order (the reference, or SDPA over a
-concatenated ``[cache; suffix]`` per order) reads O·L·D keys and values per
-(b, h). Here it is ceil(O·R / 64)·L·D from L2 and, since the query tiles of
-one (b, h) run next to each other, about L·D from DRAM: O times less. For
-O·R <= 64 it is exactly one read.
+Prefix traffic: repeating the prefix per order (SDPA over a concatenated
+``[cache; suffix]`` per order, or any per-order attention) reads O·L·D keys and
+values per (b, h). Here it is ceil(O·R / BLOCK_M)·L·D from L2 and, since the query tiles
+of one (b, h) run next to each other, about L·D from DRAM: O times less. For
+O·R <= BLOCK_M it is exactly one read.
 """
 
 from __future__ import annotations

@@ -166,7 +166,13 @@ def _steps_panel(ax, entries: list[dict], title: str) -> None:
                     label="autoregressive (model)")
     if entries:
         _vlines(ax, entries[0])
-        ax.set_ylabel(entries[0]["metric_name"])
+        metric = entries[0]["metric_name"]
+        ax.set_ylabel(metric)
+        if metric == "ones_rate":
+            ax.axhline(0.1, color="grey", lw=1, ls="-", label="data rate 0.1")
+            ax.set_ylim(0.0, 0.25)
+        else:
+            ax.set_ylim(-0.05, 1.05)
     ax.set_xscale("log")
     ax.set_xlabel("iterations per sequence (model evaluations)")
     ax.set_title(title, fontsize=10)

@@ -23,13 +23,16 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """One kebab-case flag per :class:`TrainConfig` field; ``None`` defaults mean the preset's value."""
-    parser = _Parser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(description=__doc__.splitlines()[0])
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         annotation = hints[f.name]
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         base = args[0] if args else annotation
-        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
+        help_text = f.metadata.get("help", "")
+        if f.default is not None:
+            help_text += f" (default: {f.default})"
+        kwargs = {"default": f.default, "help": help_text}
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from contextlib import suppress
 from pathlib import Path
+
 import torch
 
 from .model import SigmaGPT, SigmaGPTConfig
@@ -25,9 +26,9 @@ def atomic_save(obj, path) -> Path:
     """``torch.save`` to a temporary file in the same folder, then ``os.replace`` it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # unlike mkstemp, honours the umask
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())

@@ -171,7 +171,11 @@ def prepare(model, idx, max_new_tokens, temperature, top_k, known, strategy, ord
 def draw(generator: Optional[torch.Generator], shape: tuple, device) -> torch.Tensor:
     """Uniforms in [0, 1) of ``shape``, drawn on the generator's device in float64, moved to ``device``."""
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    return torch.rand(shape, generator=generator, device=gen_device, dtype=DRAW_DTYPE).to(device)
+    u = torch.rand(shape, generator=generator, device=gen_device, dtype=DRAW_DTYPE)
+    device = torch.device(device)
+    if device.type == "cuda" and u.device.type == "cpu":
+        return u.pin_memory().to(device, non_blocking=True)  # no host sync for a CPU generator
+    return u.to(device)
 
 
 class BurstDraws(NamedTuple):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -24,7 +23,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import orders
@@ -32,6 +30,7 @@ from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_checkpoint,
     rng_state, set_rng_state, task_record,
 )
+from .distributed import Layout, init_layout
 from .model import SigmaGPT, SigmaGPTConfig
 from .train_config import TrainConfig, resolve
 
@@ -53,22 +52,6 @@ class TrainResult:
     checkpoint_path: Path
     train_log: list[dict] = field(default_factory=list)
     interrupted: bool = False
-
-
-@dataclass
-class _Layout:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    control_group: Optional[object] = None  # a gloo group for CPU-side collectives under DDP
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def build_model_config(cfg: TrainConfig, task) -> SigmaGPTConfig:
@@ -202,48 +185,20 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _select_device(cfg: TrainConfig, local_rank: int, distributed: bool) -> torch.device:
-    name = cfg.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"TrainConfig.device is {cfg.device!r} but CUDA is not available")
-    if name == "cuda" and distributed:
-        name = f"cuda:{local_rank}"
-    return torch.device(name)
-
-
-def _init_layout(cfg: TrainConfig) -> tuple[_Layout, bool]:
-    """Join the torchrun process group when WORLD_SIZE > 1; returns the layout and whether we own the group."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        return _Layout(device=_select_device(cfg, 0, False)), False
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    device = _select_device(cfg, local_rank, True)
-    owns = not dist.is_initialized()
-    if owns:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
-    control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-    return _Layout(rank=rank, world_size=world_size, device=device, control_group=control), owns
-
-
 def train(cfg: TrainConfig) -> TrainResult:
     """Train (or, with ``cfg.resume``, continue training) a σ-GPT on ``cfg.task``; see :class:`TrainConfig`."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
-    layout, owns_group = _init_layout(cfg)
+    layout = init_layout(cfg.device)
     try:
         with _StopRequest() as stop:
             return _Trainer(cfg, layout, stop).run()
     finally:
-        if owns_group:
-            dist.destroy_process_group()
+        layout.close()
 
 
 class _Trainer:
-    def __init__(self, user_cfg: TrainConfig, layout: _Layout, stop: _StopRequest) -> None:
+    def __init__(self, user_cfg: TrainConfig, layout: Layout, stop: _StopRequest) -> None:
         from .tasks import get_task
 
         self.layout, self.stop, self.device = layout, stop, layout.device
@@ -306,26 +261,9 @@ class _Trainer:
         if self.layout.is_main:
             log.info(msg, *args)
 
-    def _all_reduce(self, t: torch.Tensor, group=None) -> torch.Tensor:
-        if self.layout.distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-            t = t / self.layout.world_size
-        return t
-
-    def _stop_requested(self) -> bool:
-        if not self.layout.distributed:
-            return self.stop.requested
-        flag = torch.tensor([int(self.stop.requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.layout.control_group)
-        return bool(flag[0])
-
     def save(self, it: int) -> None:
         """Write ``ckpt.pt`` (rank 0) with every rank's RNG state; all ranks must call it."""
-        state = rng_state(self.device)
-        states = [state]
-        if self.layout.distributed:
-            states = [None] * self.layout.world_size
-            dist.all_gather_object(states, state, group=self.layout.control_group)
+        states = self.layout.gather(rng_state(self.device))
         if self.layout.is_main:
             ckpt = build_checkpoint(self.model, self.optimizer, self.cfg, self.task_info, it, states,
                                     self.best_val_loss, self.history)
@@ -391,7 +329,7 @@ class _Trainer:
         return loss_sum / self.accum
 
     def _log(self, it: int, loss: torch.Tensor, window_steps: int, window_start: float) -> None:
-        loss_value = self._all_reduce(loss).item()
+        loss_value = self.layout.mean(loss).item()
         window_time = time.perf_counter() - window_start
         cfg = self.cfg
         tokens_per_s = self.tokens_per_step * window_steps / max(window_time, 1e-9)
@@ -434,7 +372,7 @@ class _Trainer:
                 self._log(it, loss, window_steps, window_start)
                 window_steps, window_start = 0, time.perf_counter()
             it += 1
-            stopped = self._stop_requested()
+            stopped = self.layout.any(self.stop.requested)
         if not stopped:
             self.evaluate(it)
         if it > self.start_iter:

@@ -17,6 +17,7 @@ from typing import Optional
 
 from .model import POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
+from .tasks import TASK_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -24,12 +25,12 @@ DTYPES = ("auto", "float32", "bfloat16")
 PAPER_TOKENS_PER_STEP = 491_520
 
 _PAPER = dict(
-    max_iters=600_000, batch_size=12, lr=6e-4, warmup_iters=2000, beta2=0.95,
+    max_iters=600_000, batch_size=12, lr=6e-4, min_lr=6e-5, warmup_iters=2000, beta2=0.95,
     eval_interval=1000, eval_iters=200, num_eval_samples=0,
 )
 _CPU = dict(
     max_iters=2000, batch_size=32, grad_accum=1, lr=1e-3, warmup_iters=50, beta2=0.99,
-    eval_interval=100, eval_iters=10, num_eval_samples=64,
+    eval_interval=100, eval_iters=10, num_eval_samples=16,
 )
 TRAIN_PRESETS: dict[str, dict] = {
     "tiny": _CPU,
@@ -41,65 +42,58 @@ TRAIN_PRESETS: dict[str, dict] = {
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding")
 
 
-def _task_names() -> tuple[str, ...]:
-    from .tasks import TASK_NAMES
+def _field(default, help_text: str, choices: Optional[tuple] = None):
+    """A dataclass field whose metadata feeds ``scripts/train.py``'s flag (help, choices)."""
+    meta = {"help": help_text, **({"choices": choices} if choices else {})}
+    return field(default=default, metadata=meta)
 
-    return tuple(TASK_NAMES)
+
+_PRESET = " (default: the preset's)"
 
 
 @dataclass
 class TrainConfig:
-    task: str = field(default="permutation", metadata={"help": "task name (see sigmafast.tasks.TASK_NAMES)"})
-    preset: str = field(default="tiny", metadata={"help": "model preset", "choices": tuple(PRESETS)})
-    n_layer: Optional[int] = field(default=None, metadata={"help": "override the preset's layers"})
-    n_head: Optional[int] = field(default=None, metadata={"help": "override the preset's heads"})
-    n_embd: Optional[int] = field(default=None, metadata={"help": "override the preset's width"})
-    block_size: Optional[int] = field(default=None, metadata={"help": "context length (default: task seq_len)"})
-    dropout: Optional[float] = field(default=None, metadata={"help": "dropout (default 0)"})
-    bias: Optional[bool] = field(default=None, metadata={"help": "biases in Linear/LayerNorm (default on)"})
-    pos_encoding: Optional[str] = field(
-        default=None, metadata={"help": "positional encoding (default sinusoidal)", "choices": POS_ENCODINGS}
-    )
-    seq_len: Optional[int] = field(default=None, metadata={"help": "task sequence length (1-D and text tasks)"})
-    text: Optional[str] = field(default=None, metadata={"help": "text file for --task char"})
-    data_dir: Optional[str] = field(default=None, metadata={"help": "token .bin folder for owt / wikitext103"})
-    out_dir: str = field(default="out", metadata={"help": "where ckpt.pt is written"})
-    max_iters: Optional[int] = field(default=None, metadata={"help": "optimiser steps"})
-    batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per micro-step and rank"})
-    grad_accum: Optional[int] = field(
-        default=None, metadata={"help": "micro-steps per optimiser step, summed over all ranks"}
-    )
-    lr: Optional[float] = field(default=None, metadata={"help": "peak learning rate"})
-    min_lr: Optional[float] = field(default=None, metadata={"help": "final learning rate (default lr/10)"})
-    warmup_iters: Optional[int] = field(default=None, metadata={"help": "linear warm-up steps"})
-    lr_decay_iters: Optional[int] = field(default=None, metadata={"help": "cosine decay length (default max_iters)"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on >=2-D weights"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    beta2: Optional[float] = field(default=None, metadata={"help": "AdamW beta2"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip (0 disables)"})
-    order: str = field(default="random", metadata={"help": "training order", "choices": ORDER_NAMES})
-    curriculum_start: float = field(
-        default=0.5, metadata={"help": "curriculum: left-to-right fraction at step 0, falling to 0"}
-    )
-    eval_interval: Optional[int] = field(default=None, metadata={"help": "steps between evaluations"})
-    eval_iters: Optional[int] = field(default=None, metadata={"help": "validation batches per evaluation"})
-    log_interval: int = field(default=10, metadata={"help": "steps between log lines"})
-    num_eval_samples: Optional[int] = field(
-        default=None, metadata={"help": "sequences sampled for the validity metric (0 disables)"}
-    )
-    seed: int = field(default=1337, metadata={"help": "seed of the model init, data and orders"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
-    dtype: str = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA, fp32 on CPU", "choices": DTYPES})
-    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
-    resume: bool = field(default=False, metadata={"help": "continue from out_dir/ckpt.pt"})
+    task: str = _field("permutation", "task", TASK_NAMES)
+    preset: str = _field("tiny", "model preset (architecture, and the training recipe)", tuple(PRESETS))
+    n_layer: Optional[int] = _field(None, "layers" + _PRESET)
+    n_head: Optional[int] = _field(None, "attention heads" + _PRESET)
+    n_embd: Optional[int] = _field(None, "model width" + _PRESET)
+    block_size: Optional[int] = _field(None, "context length (default: the task's seq_len)")
+    dropout: Optional[float] = _field(None, "dropout (default: 0)")
+    bias: Optional[bool] = _field(None, "biases in Linear/LayerNorm (default: on)")
+    pos_encoding: Optional[str] = _field(None, "positional encoding (default: sinusoidal)", POS_ENCODINGS)
+    seq_len: Optional[int] = _field(None, "sequence length of the 1-D and text tasks (default: the task's)")
+    text: Optional[str] = _field(None, "UTF-8 text file, required by --task char (default: none)")
+    data_dir: Optional[str] = _field(None, "train.bin / val.bin folder for owt, wikitext103 (default: data/<task>)")
+    out_dir: str = _field("out", "where ckpt.pt is written")
+    max_iters: Optional[int] = _field(None, "optimiser steps" + _PRESET)
+    batch_size: Optional[int] = _field(None, "sequences per micro-step and rank" + _PRESET)
+    grad_accum: Optional[int] = _field(None, "micro-steps per optimiser step, over all ranks" + _PRESET)
+    lr: Optional[float] = _field(None, "peak learning rate" + _PRESET)
+    min_lr: Optional[float] = _field(None, "final learning rate (default: the preset's; lr/10 with --lr)")
+    warmup_iters: Optional[int] = _field(None, "linear warm-up steps" + _PRESET)
+    lr_decay_iters: Optional[int] = _field(None, "cosine decay length (default: max_iters)")
+    weight_decay: float = _field(0.1, "AdamW weight decay on >=2-D weights")
+    beta1: float = _field(0.9, "AdamW beta1")
+    beta2: Optional[float] = _field(None, "AdamW beta2" + _PRESET)
+    grad_clip: float = _field(1.0, "gradient norm clip (0 disables)")
+    order: str = _field("random", "training order", ORDER_NAMES)
+    curriculum_start: float = _field(0.5, "curriculum: left-to-right fraction at step 0, falling linearly to 0")
+    eval_interval: Optional[int] = _field(None, "steps between evaluations" + _PRESET)
+    eval_iters: Optional[int] = _field(None, "validation batches per evaluation" + _PRESET)
+    log_interval: int = _field(10, "steps between log lines")
+    num_eval_samples: Optional[int] = _field(None, "sequences sampled for the validity metric, 0 disables" + _PRESET)
+    seed: int = _field(1337, "seed of the model init, data and orders")
+    device: str = _field("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = _field("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", DTYPES)
+    compile: bool = _field(False, "torch.compile the model")
+    resume: bool = _field(False, "continue from out_dir/ckpt.pt")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
-        names = _task_names()
-        if self.task not in names:
-            raise ValueError(f"TrainConfig.task: unknown task {self.task!r}; expected one of {list(names)}")
+        _check_choice("task", self.task, TASK_NAMES)
         _check_choice("preset", self.preset, tuple(PRESETS))
         _check_choice("order", self.order, ORDER_NAMES)
         _check_choice("dtype", self.dtype, DTYPES)
@@ -196,12 +190,13 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
     must divide ``grad_accum``.
     """
     preset = TRAIN_PRESETS[cfg.preset]
-    values = {k: (preset[k] if getattr(cfg, k) is None and k in preset else getattr(cfg, k))
+    values = {k: (preset[k] if getattr(cfg, k) is None and k in preset and k != "min_lr" else getattr(cfg, k))
               for k in (f.name for f in dataclasses.fields(cfg))}
     if values["grad_accum"] is None:
         accum = max(1, round(PAPER_TOKENS_PER_STEP / (values["batch_size"] * seq_len)))
         values["grad_accum"] = -(-accum // world_size) * world_size
-    values["min_lr"] = values["lr"] / 10 if values["min_lr"] is None else values["min_lr"]
+    if values["min_lr"] is None:  # the preset's, unless lr is overridden: then lr / 10
+        values["min_lr"] = preset.get("min_lr", values["lr"] / 10) if cfg.lr is None else values["lr"] / 10
     if values["lr_decay_iters"] is None:
         values["lr_decay_iters"] = values["max_iters"]
     resolved = TrainConfig(**values)

@@ -2,9 +2,12 @@
 
 An oracle gives the true distribution of any position given any set of
 revealed tokens (the order in which they were revealed does not matter), as
-log-probabilities with ``-inf`` for impossible tokens (BOS always). A revealed
-set that no sequence of the task can produce gets the uniform distribution
-over the task's real tokens. Everything is vectorised and computed in float64.
+log-probabilities with ``-inf`` for impossible tokens (BOS always). Revealed
+sets that no sequence of the task can produce (verification steps after two
+drafts that contradict each other) still get a proper distribution: uniform
+over the unused classes for permutation, uniform over {0, 1} for step. The
+sampler's decisions never depend on them, since acceptance stops at the first
+token of probability 0. Everything is vectorised and computed in float64.
 
 Oracles implement the sampler's conditionals protocol (see
 :mod:`sigmafast.sampler`) plus ``logits(canvas, known, positions)``, which the

@@ -1,0 +1,172 @@
+"""Kernels: each Triton kernel against its PyTorch reference and SDPA, on CUDA.
+
+Every case checks the implementation against the fp32 reference before timing,
+then reports in ``benchmark.extra_info``: ms per call (CUDA events, L2 flushed
+between calls, compile time excluded by a warm-up call), the minimum DRAM bytes
+the op must move, GB/s, and the fraction of the card's measured device-to-device
+copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=64).
+
+* burst: B=8 rows, R=16 queries each, cache L in {4096, 16384}; SDPA gets the
+  cache and the R own keys concatenated with a mask (a copy per call).
+* verify: O=5 orders of R=64 tokens over a shared L=4096 prefix; SDPA gets the
+  prefix repeated per order (the traffic the Triton kernel avoids).
+* acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary.
+
+Skipped with a reason without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _common import bench_full, device_info
+from sigmafast.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel benchmarks need a CUDA device")
+
+H, D, DTYPE, VOCAB = 12, 64, torch.bfloat16, 50257
+
+
+@pytest.fixture(scope="module")
+def copy_gbps() -> float:
+    """Measured device-to-device copy bandwidth (read + write bytes per second)."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2**28, dtype=torch.float32, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def _run(benchmark, fn, nbytes: int, copy_gbps: float, **info) -> None:
+    from triton.testing import do_bench
+
+    fn()  # compile outside the timings
+    torch.cuda.synchronize()
+    ms = do_bench(fn, warmup=10, rep=100)
+    gbps = nbytes / ms / 1e6
+    benchmark.extra_info.update(
+        ms=ms, bytes=nbytes, gbps=gbps, copy_gbps=copy_gbps, fraction_of_copy_bw=gbps / copy_gbps,
+        **info, **device_info(torch.device("cuda")),
+    )
+    benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=20, iterations=1, warmup_rounds=2)
+
+
+def _rel_err(out, want) -> float:
+    return ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def _sdpa_burst(q, k, v, kc, vc, lens):
+    B, _, R, _ = q.shape
+    L = kc.shape[2]
+    keys, vals = torch.cat([kc, k], 2), torch.cat([vc, v], 2)  # (B, H, L + R, D)
+    cache_ok = torch.arange(L, device=q.device)[None, :] < lens[:, None]  # (B, L)
+    self_ok = torch.eye(R, dtype=torch.bool, device=q.device)
+    mask = torch.cat([cache_ok[:, None, :].expand(B, R, L), self_ok.expand(B, R, R)], -1)[:, None]
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+
+def _sdpa_verify(q, k, v, kc, vc, lens):
+    B, O, _, R, _ = q.shape
+    L = kc.shape[2]
+    keys = torch.cat([kc[:, None].expand(B, O, H, L, D), k], 3).flatten(0, 1)  # prefix repeated per order
+    vals = torch.cat([vc[:, None].expand(B, O, H, L, D), v], 3).flatten(0, 1)
+    cache_ok = (torch.arange(L, device=q.device)[None, :] < lens[:, None])[:, None, :].expand(B, R, L)
+    causal = torch.ones(R, R, dtype=torch.bool, device=q.device).tril().expand(B, R, R)
+    mask = torch.cat([cache_ok, causal], -1)[:, None, None].expand(B, O, 1, R, L + R).flatten(0, 1)
+    return F.scaled_dot_product_attention(q.flatten(0, 1), keys, vals, attn_mask=mask).unflatten(0, (B, O))
+
+
+BURST_L = [4096, 16384, 65536] if bench_full() else [4096, 16384]
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference", "sdpa"])
+@pytest.mark.parametrize("L", BURST_L, ids=lambda L: f"L{L}")
+def test_burst_attention(benchmark, impl, L, copy_gbps):
+    from sigmafast.kernels.burst_attn import burst_attention
+
+    B, R = 8, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, R, D, device="cuda", generator=g, dtype=DTYPE) for _ in range(3))
+    kc, vc = (torch.randn(B, H, L, D, device="cuda", generator=g, dtype=DTYPE) for _ in range(2))
+    lens = torch.full((B,), L, device="cuda")
+    fn = {"triton": burst_attention, "reference": ref.burst_attention, "sdpa": _sdpa_burst}[impl]
+    args = (q, k, v, kc, vc, lens)
+    err = _rel_err(fn(*args), ref.burst_attention(*(t.float() for t in args[:5]), lens))
+    assert err < 3e-2, f"{impl} is wrong before timing: rel. error {err:.2e}"
+    nbytes = (2 * B * H * L * D + 4 * B * H * R * D) * q.element_size()
+    _run(benchmark, lambda: fn(*args), nbytes, copy_gbps, impl=impl, op="burst_attention", B=B, H=H, R=R, L=L, D=D,
+         rel_err=err)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference", "sdpa"])
+@pytest.mark.parametrize("R", [16, 64], ids=lambda R: f"R{R}")
+def test_verify_attention(benchmark, impl, R, copy_gbps):
+    from sigmafast.kernels.verify_attn import verify_attention
+
+    B, O, L = 4, 5, 4096
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, O, H, R, D, device="cuda", generator=g, dtype=DTYPE) for _ in range(3))
+    kc, vc = (torch.randn(B, H, L, D, device="cuda", generator=g, dtype=DTYPE) for _ in range(2))
+    lens = torch.full((B,), L, device="cuda")
+    fn = {"triton": verify_attention, "reference": ref.verify_attention, "sdpa": _sdpa_verify}[impl]
+    args = (q, k, v, kc, vc, lens)
+    err = _rel_err(fn(*args), ref.verify_attention(*(t.float() for t in args[:5]), lens))
+    assert err < 3e-2, f"{impl} is wrong before timing: rel. error {err:.2e}"
+    nbytes = (2 * B * H * L * D + 4 * B * O * H * R * D) * q.element_size()  # prefix read once
+    _run(benchmark, lambda: fn(*args), nbytes, copy_gbps, impl=impl, op="verify_attention", B=B, O=O, H=H, R=R,
+         L=L, D=D, rel_err=err, prefix_bytes_repeated=O * 2 * B * H * L * D * q.element_size())
+
+
+def _logits(N: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(N, VOCAB, device="cuda", generator=g) * 3).to(DTYPE)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("top_k", [None, 50], ids=lambda k: f"topk{k}")
+def test_acceptance(benchmark, impl, top_k, copy_gbps):
+    from sigmafast.kernels.accept import acceptance
+
+    B, O, R = 4, 5, 64
+    logits = _logits(B * O * R, 2).view(B, O, R, VOCAB)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    drafts = logits.float().argmax(-1)
+    draft_logp = torch.full((B, O, R), -1.0, device="cuda")
+    u = torch.rand(B, O, R, device="cuda", generator=g)
+    lengths = torch.full((B,), R, device="cuda")
+    fn = {"triton": acceptance, "reference": ref.acceptance}[impl]
+    args = (logits, drafts, draft_logp, u, lengths, 1.0, top_k, "paper")
+    want = ref.log_probs(logits.float(), 1.0, top_k).gather(-1, drafts[..., None]).squeeze(-1)
+    err = (fn(*args).logq.float() - want).abs().max().item()
+    assert err < 5e-2, f"{impl} log q is off before timing: {err:.2e}"
+    _run(benchmark, lambda: fn(*args), logits.numel() * logits.element_size(), copy_gbps, impl=impl,
+         op="acceptance", rows=B * O * R, V=VOCAB, top_k=top_k, logq_abs_err=err)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("op", ["sample", "residual_sample"])
+def test_sampling(benchmark, impl, op, copy_gbps):
+    from sigmafast.kernels import sampling
+
+    N = 1024
+    q = _logits(N, 4)
+    p = (q.float() + torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)))
+    p = p.to(DTYPE)
+    u = torch.rand(N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6))
+    if op == "sample":
+        fn = {"triton": sampling.sample, "reference": ref.sample}[impl]
+        args, passes = (q, u, 1.0, None), 2
+        tokens = fn(*args)[0]
+        want = ref.sample(q.float(), u, 1.0, None)[0]
+    else:
+        fn = {"triton": sampling.residual_sample, "reference": ref.residual_sample}[impl]
+        args, passes = (q, p, u, 1.0, None), 6
+        tokens = fn(*args)
+        want = ref.residual_sample(q.float(), p.float(), u, 1.0, None)
+    agree = (tokens == want).float().mean().item()
+    assert agree > 0.95, f"{impl} {op} agrees with the fp32 reference on only {agree:.1%} of rows"
+    _run(benchmark, lambda: fn(*args), passes * q.numel() * q.element_size(), copy_gbps, impl=impl, op=op,
+         rows=N, V=VOCAB, agreement_with_fp32_reference=agree, passes_over_logits=passes)

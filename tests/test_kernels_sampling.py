@@ -1,0 +1,213 @@
+"""Triton sampling, residual sampling and acceptance against kernels/reference.py.
+
+Run in the Triton interpreter on CPU (conftest sets TRITON_INTERPRET=1), fp32.
+Token equality with the reference is exact except at float-rounding ties: a
+row may differ only if its target ``u * total`` lies within 1e-5 of a CDF
+boundary of the reference (checked, never just tolerated). The chi-square
+tests compare many draws from one launch with the exact softmax.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sigmafast.kernels import reference as ref
+from sigmafast.kernels.accept import acceptance
+from sigmafast.kernels.sampling import residual_sample, sample
+
+
+def _assert_same_tokens(tokens, want, probs, uniforms):
+    """Tokens equal the reference's except at a float-rounding tie of the inverse CDF."""
+    differ = (tokens != want).nonzero().flatten()
+    cdf = probs.double().cumsum(-1)
+    for i in differ.tolist():
+        target = uniforms[i].double() * cdf[i, -1]
+        edge = cdf[i, min(tokens[i], want[i])]
+        assert abs(edge - target) <= 1e-5, f"row {i}: token {tokens[i]} != reference {want[i]} (not a rounding tie)"
+    assert differ.numel() <= max(1, tokens.numel() // 100)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    stat = ((counts[keep].double() - expected[keep]) ** 2 / expected[keep]).sum()
+    df = keep.sum() - 1
+    return torch.special.gammaincc(df.double() / 2, stat / 2).item()
+
+
+SAMPLE_CASES = [
+    # (N, V, temperature, top_k, block_v)
+    (256, 50, 1.0, None, None),
+    (256, 300, 0.7, None, 64),  # several vocabulary chunks
+    (256, 300, 1.3, 5, 64),
+    (64, 9, 1.0, 1, None),
+    (64, 1, 1.0, None, None),
+]
+
+
+def _sid(c):
+    N, V, T, k, bv = c
+    return f"N{N}-V{V}-T{T}-k{k}" + (f"-chunk{bv}" if bv else "")
+
+
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=_sid)
+def test_sample_matches_reference(case):
+    N, V, T, k, bv = case
+    g = torch.Generator().manual_seed(V + N)
+    logits = torch.randn(N, V, generator=g) * 3
+    u = torch.rand(N, generator=g)
+    tokens, logp = sample(logits, u, T, k, block_v=bv)
+    want, want_logp = ref.sample(logits, u, T, k)
+    _assert_same_tokens(tokens, want, ref.log_probs(logits, T, k).exp(), u)
+    full = ref.log_probs(logits, T, k).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, full, rtol=0, atol=1e-5)
+
+
+def test_sample_greedy_and_uniform_edges():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(32, 40, generator=g)
+    logits[0, 3] = logits[0, 7] = 10.0  # tie: first index wins
+    tokens, logp = sample(logits, torch.rand(32, generator=g), 0.0)
+    assert torch.equal(tokens, logits.argmax(-1)) and tokens[0] == 3 and torch.all(logp == 0)
+    u = torch.tensor([0.0, 1.0 - 2**-24] + [0.5] * 30)
+    tokens, _ = sample(logits, u, 1.0, 4)
+    want, _ = ref.sample(logits, u, 1.0, 4)
+    assert torch.equal(tokens, want)
+
+
+def test_sample_chi_square():
+    """20000 draws from one launch (stride-0 rows) against the exact softmax, with and without top-k."""
+    g = torch.Generator().manual_seed(2)
+    row = torch.randn(8, generator=g)
+    N = 20000
+    for top_k in (None, 3):
+        u = torch.rand(N, generator=g)
+        tokens, _ = sample(row.expand(N, 8), u, 0.8, top_k)
+        counts = torch.bincount(tokens, minlength=8)
+        assert _chi2_pvalue(counts, ref.log_probs(row, 0.8, top_k).exp()) > 1e-3
+
+
+RESIDUAL_CASES = [(128, 60, 1.0, None, None), (128, 300, 0.8, None, 64), (128, 300, 1.0, 20, 64)]
+
+
+@pytest.mark.parametrize("case", RESIDUAL_CASES, ids=_sid)
+def test_residual_matches_reference(case):
+    N, V, T, k, bv = case
+    g = torch.Generator().manual_seed(V + 3)
+    q = torch.randn(N, V, generator=g) * 2
+    p = q + torch.randn(N, V, generator=g)
+    p[:8] = q[:8]  # empty residual: falls back to q
+    u = torch.rand(N, generator=g)
+    tokens = residual_sample(q, p, u, T, k, block_v=bv)
+    want = ref.residual_sample(q, p, u, T, k)
+    qp, pp = ref.log_probs(q, T, k).exp(), ref.log_probs(p, T, k).exp()
+    r = (qp - pp).clamp_min(0)
+    _assert_same_tokens(tokens, want, torch.where(r.sum(-1, keepdim=True) <= 0, qp, r), u)
+    assert torch.equal(residual_sample(q, p, u, 0.0), q.argmax(-1))
+
+
+def test_residual_chi_square():
+    g = torch.Generator().manual_seed(4)
+    q, p = torch.randn(2, 8, generator=g)
+    N = 20000
+    tokens = residual_sample(q.expand(N, 8), p.expand(N, 8), torch.rand(N, generator=g))
+    r = (q.softmax(-1) - p.softmax(-1)).clamp_min(0)
+    assert _chi2_pvalue(torch.bincount(tokens, minlength=8), r / r.sum()) > 1e-3
+
+
+ACCEPT_CASES = [
+    # (B, O, R, V, temperature, top_k, block_v)
+    (3, 5, 7, 50, 1.0, None, None),
+    (2, 3, 9, 300, 0.8, 7, 64),
+    (3, 2, 6, 40, 0.0, None, None),
+    (1, 1, 1, 20, 1.0, None, None),
+]
+
+
+@pytest.mark.parametrize("rule", ["paper", "lossless"])
+@pytest.mark.parametrize(
+    "case", ACCEPT_CASES, ids=lambda c: f"B{c[0]}-O{c[1]}-R{c[2]}-V{c[3]}-T{c[4]}-k{c[5]}" + ("-chunk64" if c[6] else "")
+)
+def test_acceptance_matches_reference(case, rule):
+    B, O, R, V, T, k, bv = case
+    g = torch.Generator().manual_seed(B * 100 + R)
+    logits = torch.randn(B, O, R, V, generator=g) * 2
+    if T == 0:
+        drafts = logits.argmax(-1)
+        flip = torch.rand(B, O, R, generator=g) < 0.3
+        drafts = torch.where(flip, (drafts + 1) % V, drafts)
+        draft_logp = torch.zeros(B, O, R)
+        logits[0, 0, 0, :2] = logits[0, 0, 0].max() + 1  # argmax tie: the first index counts
+    else:
+        draft_src = logits + torch.randn(B, O, R, V, generator=g)  # drafts from a nearby p
+        lp = ref.log_probs(draft_src, T, k)
+        drafts = ref.inverse_cdf(lp.exp().flatten(0, 2), torch.rand(B * O * R, generator=g)).view(B, O, R)
+        draft_logp = lp.gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand(B, O, R, generator=g)
+    lengths = torch.tensor([R, 1, max(1, R - 2)][:B])
+    got = acceptance(logits, drafts, draft_logp, u, lengths, T, k, rule, block_v=bv)
+    want = ref.acceptance(logits, drafts, draft_logp, u, lengths, T, k, rule)
+    if T > 0:
+        exact = ref.log_probs(logits, T, k).gather(-1, drafts[..., None]).squeeze(-1)
+        torch.testing.assert_close(got.logq, exact, rtol=0, atol=1e-5)
+    else:
+        assert torch.all(got.logq == 0)
+    for name in ("accept", "n_accept", "best", "first_reject"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    if R > 1 and T > 0:
+        assert 0 < got.accept.float().mean() < 1  # both outcomes occur
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x, u: sample(x, u, -1.0), "temperature must be >= 0"),
+        (lambda x, u: sample(x, u, 1.0, 0), "top_k must be None or an int >= 1"),
+        (lambda x, u: sample(x[0], u), "logits must have 2 dimensions"),
+        (lambda x, u: sample(x, u[:2]), r"uniforms must have shape \(4,\)"),
+        (lambda x, u: sample(x.long(), u), "logits must be float32"),
+        (lambda x, u: residual_sample(x, x[:, :3], u), "p_logits must have q_logits' shape"),
+        (
+            lambda x, u: acceptance(x[None, None], x.argmax(-1)[None, None], u[None, None], u[None, None],
+                                    torch.tensor([4]), rule="greedy"),
+            "acceptance rule must be one of",
+        ),
+        (
+            lambda x, u: acceptance(x[None, None], x.argmax(-1)[None], u[None, None], u[None, None], torch.tensor([4])),
+            r"drafts must be a tensor of shape \(1, 1, 4\)",
+        ),
+    ],
+    ids=["neg-temperature", "top-k-0", "rank", "uniforms-shape", "int-logits", "residual-shape", "rule", "drafts-shape"],
+)
+def test_bad_input(call, match):
+    x, u = torch.randn(4, 10), torch.rand(4)
+    with pytest.raises(ValueError, match=match):
+        call(x, u)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_vocab_50257(dtype):
+    """GPT-2 vocabulary, B·O·R = 2·5·64 verifier rows. The kernels read the low-precision
+    logits and work in fp32, so they match the fp32 reference on the upcast values (log q
+    then rounded to the logits' dtype)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, O, R, V = 2, 5, 64, 50257
+    logits = (torch.randn(B, O, R, V, device="cuda", generator=g) * 3).to(dtype)
+    x = logits.float()
+    drafts = torch.randint(0, V, (B, O, R), device="cuda", generator=g)
+    u = torch.rand(B, O, R, device="cuda", generator=g)
+    lengths = torch.tensor([R, 7], device="cuda")
+    for top_k in (None, 50):
+        got = acceptance(logits, drafts, torch.full((B, O, R), -10.0, device="cuda"), u, lengths, 0.9, top_k)
+        exact = ref.log_probs(x, 0.9, top_k).gather(-1, drafts[..., None]).squeeze(-1)
+        finite = exact.isfinite()
+        assert torch.equal(finite, got.logq.isfinite())
+        rtol = 8e-3 if dtype == torch.bfloat16 else 1e-3  # log q is returned in the logits' dtype
+        torch.testing.assert_close(got.logq.float()[finite], exact[finite], rtol=rtol, atol=1e-3)
+    rows, uu = x.flatten(0, 2), u.flatten()
+    tokens, _ = sample(logits.flatten(0, 2), uu, 0.9, 50)
+    _assert_same_tokens(tokens, ref.sample(rows, uu, 0.9, 50)[0], ref.log_probs(rows, 0.9, 50).exp(), uu)

@@ -1,0 +1,170 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sigmafast import orders
+from sigmafast.model import PRESETS, SigmaGPT, SigmaGPTConfig, sinusoidal_table
+
+
+def tiny_config(**kw) -> SigmaGPTConfig:
+    return SigmaGPTConfig.from_preset("tiny", **{"vocab_size": 11, "block_size": 16, **kw})
+
+
+def inputs(B=3, T=9, V=11, seed=0, block_size=16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V - 1, (B, T), generator=g)
+    order = orders.random(B, T, generator=g)
+    return orders.shuffle(x, order, bos=V - 1, start_pos=block_size)
+
+
+@pytest.fixture(params=["sinusoidal", "learned"])
+def model(request):
+    torch.manual_seed(0)
+    return SigmaGPT(tiny_config(pos_encoding=request.param)).eval()
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 9), (2, 16)], ids=["1x1", "3x9", "full-block"])
+def test_shapes(model, B, T):
+    tokens, in_pos, out_pos, targets = inputs(B, T)
+    logits, loss = model(tokens, in_pos, out_pos)
+    assert logits.shape == (B, T, 11) and loss is None
+    logits2, loss = model(tokens, in_pos, out_pos, targets)
+    assert torch.equal(logits, logits2) and loss.shape == ()
+
+
+def test_out_pos_alone_changes_logits(model):
+    tokens, in_pos, out_pos, _ = inputs()
+    base, _ = model(tokens, in_pos, out_pos)
+    other_out = out_pos.clone()
+    other_out[:, 4] = (out_pos[:, 4] + 1) % 9
+    changed, _ = model(tokens, in_pos, other_out)
+    assert not torch.allclose(changed[:, 4], base[:, 4])
+    assert torch.equal(changed[:, :4], base[:, :4])  # causal: earlier rows never see row 4
+
+
+def test_in_pos_alone_changes_logits(model):
+    tokens, in_pos, out_pos, _ = inputs()
+    base, _ = model(tokens, in_pos, out_pos)
+    other_in = in_pos.clone()
+    other_in[:, 3] = (in_pos[:, 3] + 2) % 9
+    changed, _ = model(tokens, other_in, out_pos)
+    assert not torch.allclose(changed[:, 3:], base[:, 3:])
+    assert torch.equal(changed[:, :3], base[:, :3])
+
+
+def test_loss_matches_hand_computed_cross_entropy(model):
+    tokens, in_pos, out_pos, targets = inputs(seed=1)
+    targets = targets.clone()
+    targets[0, 2] = -1  # ignored
+    logits, loss = model(tokens, in_pos, out_pos, targets)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    keep = targets != -1
+    picked = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]  # (B, T)
+    expected = -(picked * keep).sum() / keep.sum()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_run_layers_reproduces_forward(model):
+    tokens, in_pos, out_pos, _ = inputs()
+
+    def attend(layer, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    hidden = model.run_layers(model.embed(tokens, in_pos, out_pos), attend)
+    logits, _ = model(tokens, in_pos, out_pos)
+    torch.testing.assert_close(model.lm_head(hidden), logits)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(n_embd=60, n_head=4), "divisible by 2\\*n_head"),
+        (dict(vocab_size=1), "vocab_size must be >= 2"),
+        (dict(block_size=0), "block_size must be a positive int"),
+        (dict(n_layer=2.0), "n_layer must be a positive int"),
+        (dict(dropout=1.0), "dropout must be in"),
+        (dict(pos_encoding="rope"), "pos_encoding must be one of"),
+        (dict(bos_token_id=11), "bos_token_id must be an int in"),
+    ],
+    ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "pos-encoding", "bos-range"],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SigmaGPTConfig(**{"vocab_size": 11, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 8, **kwargs})
+
+
+def test_bos_defaults_to_last_id():
+    assert SigmaGPTConfig(vocab_size=7, n_layer=1, n_head=1, n_embd=4).bos_token_id == 6
+
+
+def test_config_round_trip_and_unknown_fields():
+    cfg = tiny_config(bos_token_id=3)
+    assert SigmaGPTConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown SigmaGPTConfig fields"):
+        SigmaGPTConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
+
+
+def test_input_validation(model):
+    tokens, in_pos, out_pos, targets = inputs()
+    with pytest.raises(TypeError, match="in_pos must be an integer tensor"):
+        model(tokens, in_pos.float(), out_pos)
+    with pytest.raises(ValueError, match="out_pos must have shape"):
+        model(tokens, in_pos, out_pos[:, :-1])
+    long = torch.zeros(1, 17, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceeds block_size 16"):
+        model(long, long, long)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        model(tokens, in_pos, out_pos, targets[:1])
+
+
+@pytest.mark.parametrize(
+    "name,layers,heads,width", [("gpt2", 12, 12, 768), ("gpt2-medium", 24, 16, 1024)], ids=["124M", "345M"]
+)
+def test_paper_presets(name, layers, heads, width):
+    cfg = SigmaGPTConfig.from_preset(name, vocab_size=50257, bos_token_id=50256)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (layers, heads, width, 1024)
+    with torch.device("meta"):
+        n = SigmaGPT(cfg).num_params()
+    # GPT-2's 124M / 350M counts include the 1024 x C learned position table, absent here (sinusoidal)
+    gpt2_count = {"gpt2": 124.44e6, "gpt2-medium": 354.8e6}[name]
+    assert abs(n + 1024 * width - gpt2_count) / gpt2_count < 0.01
+
+
+def test_presets_fix_architecture_only():
+    cfg = SigmaGPTConfig.from_preset("tiny", vocab_size=101, block_size=100, n_layer=3)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == (3, PRESETS["tiny"]["n_head"], PRESETS["tiny"]["n_embd"])
+    assert cfg.vocab_size == 101 and cfg.block_size == 100 and cfg.bos_token_id == 100
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        SigmaGPTConfig.from_preset("huge")
+
+
+def test_learned_vs_sinusoidal_positions():
+    sin = SigmaGPT(tiny_config(pos_encoding="sinusoidal"))
+    learned = SigmaGPT(tiny_config(pos_encoding="learned"))
+    half = sin.config.n_embd // 2
+    names = {n for n, _ in learned.named_parameters()}
+    assert {"wpe_in.weight", "wpe_out.weight"} <= names
+    assert learned.wpe_in.weight.shape == (17, half)  # block_size + the START position
+    assert not any(n.startswith("wpe") for n, _ in sin.named_parameters())
+    assert "pe_table" not in sin.state_dict()
+    table = sinusoidal_table(17, half)
+    assert torch.allclose(table[5, 0:2], torch.tensor([math.sin(5.0), math.cos(5.0)]))
+    assert torch.allclose(table[5, 2:4], torch.tensor([math.sin(5.0 / 10000 ** (2 / half)),
+                                                       math.cos(5.0 / 10000 ** (2 / half))]))
+    pe = sin.pos_embed(torch.tensor([[16, 3]]), torch.tensor([[3, 7]]))  # (1, 2, C)
+    assert torch.equal(pe[0, 0], torch.cat([table[16], table[3]]))
+    assert torch.equal(pe[0, 1], torch.cat([table[3], table[7]]))
+
+
+def test_weight_tying():
+    model = SigmaGPT(tiny_config())
+    assert model.wte.weight is model.lm_head.weight
+    tokens, in_pos, out_pos, targets = inputs()
+    _, loss = model(tokens, in_pos, out_pos, targets)
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+    n_unique = sum(p.numel() for p in model.parameters())
+    assert n_unique == model.num_params()

@@ -1,0 +1,129 @@
+from collections import deque
+
+import pytest
+import torch
+
+from sigmafast import orders
+
+
+def bfs_fractal(n: int) -> list[int]:
+    """The paper's rule written independently: a FIFO queue of half-open intervals."""
+    out, queue = [], deque([(0, n)])
+    while queue:
+        lo, hi = queue.popleft()
+        if hi <= lo:
+            continue
+        mid = (lo + hi) // 2
+        out.append(mid)
+        queue.append((lo, mid))
+        queue.append((mid + 1, hi))
+    return out
+
+
+def is_permutation_rows(o: torch.Tensor) -> bool:
+    T = o.shape[1]
+    return bool((o.sort(dim=1).values == torch.arange(T)).all())
+
+
+@pytest.mark.parametrize("name", orders.ORDER_NAMES)
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 7), (5, 100)], ids=["1x1", "3x7", "5x100"])
+def test_make_orders_are_permutations(name, B, T):
+    g = torch.Generator().manual_seed(0)
+    o = orders.make_orders(name, B, T, generator=g, fraction=0.4)
+    assert o.shape == (B, T) and o.dtype == torch.long
+    assert is_permutation_rows(o)
+
+
+def test_random_orders_depend_on_generator_and_rows_differ():
+    a = orders.random(4, 50, generator=torch.Generator().manual_seed(1))
+    b = orders.random(4, 50, generator=torch.Generator().manual_seed(1))
+    c = orders.random(4, 50, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.equal(a[0], a[1])
+
+
+def test_unknown_order_name():
+    with pytest.raises(ValueError, match="unknown order 'zigzag'"):
+        orders.make_orders("zigzag", 2, 5)
+
+
+def test_fractal_seven():
+    assert orders.fractal_order(7) == [3, 1, 5, 0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 31, 100], ids=lambda n: f"T{n}")
+def test_fractal_matches_queue_bfs(n):
+    assert orders.fractal_order(n) == bfs_fractal(n)
+    assert torch.equal(orders.fractal(2, n)[1], torch.tensor(bfs_fractal(n)))
+
+
+def test_left_to_right_is_identity():
+    assert torch.equal(orders.left_to_right(3, 6), torch.arange(6).expand(3, 6))
+
+
+def test_known_first_puts_known_first_in_random_order():
+    g = torch.Generator().manual_seed(0)
+    known = torch.rand(6, 40, generator=g) < 0.3
+    known[0] = False
+    known[1] = True
+    o = orders.known_first(known, generator=g)
+    assert is_permutation_rows(o)
+    visited_known = known.gather(1, o)  # (B, T): is the t-th visited position known
+    n_known = known.sum(dim=1, keepdim=True)
+    step = torch.arange(40)
+    assert torch.equal(visited_known, step < n_known)
+    other = orders.known_first(known, generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(o, other)
+
+
+def test_known_first_rejects_non_bool():
+    with pytest.raises(ValueError, match="known"):
+        orders.known_first(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_curriculum_fraction_is_linear():
+    N, start = 40, 0.5
+    fr = torch.tensor([orders.curriculum_fraction(s, N, start) for s in range(N + 1)], dtype=torch.float64)
+    assert fr[0] == start and fr[-1] == 0.0
+    steps = fr[1:] - fr[:-1]
+    assert torch.allclose(steps, torch.full_like(steps, -start / N), atol=1e-12)
+    assert orders.curriculum_fraction(N + 10, N, start) == 0.0
+
+
+def test_curriculum_fraction_rejects_bad_start():
+    with pytest.raises(ValueError, match="curriculum start"):
+        orders.curriculum_fraction(0, 10, 1.5)
+
+
+def test_curriculum_rows():
+    g = torch.Generator().manual_seed(0)
+    o = orders.curriculum(10, 30, 0.3, generator=g)
+    l2r = (o == torch.arange(30)).all(dim=1)
+    assert l2r[:3].all() and not l2r[3:].any()
+
+
+def test_shuffle_layout():
+    x = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    order = torch.tensor([[2, 0, 3, 1], [0, 1, 2, 3]])
+    bos, start = 99, 4
+    tokens, in_pos, out_pos, targets = orders.shuffle(x, order, bos, start)
+    assert tokens.tolist() == [[99, 12, 10, 13], [99, 20, 21, 22]]
+    assert in_pos.tolist() == [[4, 2, 0, 3], [4, 0, 1, 2]]
+    assert out_pos.tolist() == order.tolist()
+    assert targets.tolist() == [[12, 10, 13, 11], [20, 21, 22, 23]]
+
+
+def test_shuffle_unshuffle_round_trip():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 50, (5, 17), generator=g)
+    order = orders.random(5, 17, generator=g)
+    _, _, out_pos, targets = orders.shuffle(x, order, bos=50, start_pos=17)
+    assert torch.equal(orders.unshuffle(targets, out_pos), x)
+    feats = torch.randn(5, 17, 3, generator=g)
+    shuffled = feats.gather(1, order[..., None].expand(5, 17, 3))
+    assert torch.equal(orders.unshuffle(shuffled, order), feats)
+
+
+def test_shuffle_shape_mismatch():
+    with pytest.raises(ValueError, match="x and order"):
+        orders.shuffle(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), 0, 4)

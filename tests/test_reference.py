@@ -1,0 +1,111 @@
+"""The cached sampler returns the naive reference's tokens and statistics (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+
+import sigmafast
+import sigmafast.reference as naive
+
+T = 8
+VOCAB = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(VOCAB, T, seed=1, std=0.5)
+
+
+def _inputs(kind: str, batch: int):
+    """(idx, kwargs) of one calling convention."""
+    g = torch.Generator().manual_seed(11 + batch)
+    if kind == "unconditional":
+        return torch.zeros(batch, 0, dtype=torch.long), dict(max_new_tokens=T)
+    if kind == "prompt":
+        return torch.randint(0, VOCAB, (batch, 3), generator=g), dict(max_new_tokens=T - 3)
+    known = torch.rand(batch, T, generator=g) < 0.4  # ragged: a different mask per row
+    known[0, :] = False
+    if batch > 1:
+        known[1, :] = True  # a finished row from the start
+        known[1, 2] = False
+    canvas = torch.randint(0, VOCAB, (batch, T), generator=g)
+    return canvas, dict(known=known)
+
+
+def _assert_same(model, idx, **kwargs):
+    outs = []
+    for fn in (sigmafast.generate, naive.generate):
+        g = torch.Generator().manual_seed(1234)
+        outs.append(fn(model, idx, generator=g, return_stats=True, **kwargs))
+    (fast, s_fast), (slow, s_slow) = outs
+    assert torch.equal(fast, slow)
+    assert torch.equal(s_fast.iterations, s_slow.iterations)
+    assert torch.equal(s_fast.accepted, s_slow.accepted)
+    assert s_fast.forward_calls == s_slow.forward_calls
+    if s_slow.burst_lengths is None:
+        assert s_fast.burst_lengths is None
+    else:
+        assert torch.equal(s_fast.burst_lengths, s_slow.burst_lengths)
+    return fast, s_fast
+
+
+ORDERS = ["random", "left-to-right", "fractal", "tensor"]
+KINDS = ["unconditional", "prompt", "infill"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_autoregressive_matches_naive(model, order, kind, batch=3):
+    idx, kwargs = _inputs(kind, batch)
+    if order == "tensor":
+        order = torch.rand(batch, T, generator=torch.Generator().manual_seed(5)).argsort(1)
+    _, stats = _assert_same(model, idx, strategy="autoregressive", order=order, **kwargs)
+    assert stats.burst_lengths is None
+
+
+SETTINGS = [
+    pytest.param("paper", 1, 1.0, None, id="paper-O1"),
+    pytest.param("paper", 3, 1.0, None, id="paper-O3"),
+    pytest.param("paper", 3, 0.0, None, id="paper-O3-greedy"),
+    pytest.param("paper", 3, 0.8, 2, id="paper-O3-t0.8-top2"),
+    pytest.param("lossless", 1, 1.0, None, id="lossless"),
+    pytest.param("lossless", 1, 0.0, None, id="lossless-greedy"),
+    pytest.param("lossless", 1, 1.3, 3, id="lossless-t1.3-top3"),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("acceptance,num_orders,temperature,top_k", SETTINGS)
+def test_burst_matches_naive(model, acceptance, num_orders, temperature, top_k, kind, batch=3):
+    idx, kwargs = _inputs(kind, batch)
+    _assert_same(model, idx, acceptance=acceptance, num_orders=num_orders, temperature=temperature,
+                 top_k=top_k, **kwargs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [
+    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("burst", "paper", 3, id="paper-O3"),
+    pytest.param("burst", "lossless", 1, id="lossless"),
+])
+def test_batch_of_one_matches_naive(model, strategy, acceptance, num_orders, kind):
+    idx, kwargs = _inputs(kind, 1)
+    _assert_same(model, idx, strategy=strategy, acceptance=acceptance, num_orders=num_orders, **kwargs)
+
+
+def test_burst_takes_several_iterations_with_ragged_counts(model):
+    """The equality tests above are not trivial: this model needs several bursts, of varying sizes."""
+    _, stats = _assert_same(model, torch.zeros(6, 0, dtype=torch.long), max_new_tokens=T, num_orders=3)
+    assert int(stats.iterations.max()) > 1
+    assert len(set(stats.accepted[:, 0].tolist())) > 1
+
+
+def test_all_known_canvas_matches_naive(model):
+    idx = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(0))
+    known = torch.ones(2, T, dtype=torch.bool)
+    for strategy in ("burst", "autoregressive"):
+        out, stats = _assert_same(model, idx, known=known, strategy=strategy)
+        assert torch.equal(out, idx)
+        assert stats.iterations.tolist() == [0, 0] and stats.forward_calls == 0

@@ -1,0 +1,206 @@
+"""sigmafast.generate: exactness in law, properties, calling conventions and bad input."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from helpers import tiny_model
+
+import sigmafast
+import sigmafast.reference as naive
+
+T = 8
+VOCAB = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(VOCAB, T, seed=2, std=0.5)
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    """Survival function of the chi-square law: the regularised upper incomplete gamma Q(dof/2, stat/2)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_chi2_sf_known_values():
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, abs=1e-9)
+    assert chi2_sf(2.0, 2) == pytest.approx(math.exp(-1.0), abs=1e-12)
+
+
+def test_lossless_burst_has_the_random_order_autoregressive_law():
+    """Vocab 3 (tokens 0, 1 and BOS = 2, all three may be sampled), T = 4: 81 outcomes.
+
+    The exact law is the average over all 24 orders of exp(log_likelihood).
+    """
+    T4, V3, N = 4, 3, 20000
+    lossy = tiny_model(V3, T4, seed=3, std=0.8, dtype=torch.float32, n_embd=8)  # float32 sampling is faster
+    exact = tiny_model(V3, T4, seed=3, std=0.8, dtype=torch.float64, n_embd=8)  # the same weights
+    seqs = torch.tensor(list(itertools.product(range(V3), repeat=T4)))  # (81, 4)
+    law = torch.zeros(len(seqs), dtype=torch.float64)
+    for perm in itertools.permutations(range(T4)):
+        order = torch.tensor(perm).expand(len(seqs), T4)
+        law += sigmafast.log_likelihood(exact, seqs, order).exp()
+    law /= 24
+    assert law.sum().item() == pytest.approx(1.0, abs=1e-9)
+
+    def frequencies(acceptance, num_orders):
+        g = torch.Generator().manual_seed(7)
+        x = sigmafast.generate(lossy, torch.zeros(N, 0, dtype=torch.long), T4, acceptance=acceptance,
+                               num_orders=num_orders, generator=g)
+        code = (x * V3 ** torch.arange(T4 - 1, -1, -1)).sum(1)  # row index in seqs
+        return torch.bincount(code, minlength=len(seqs)).double()
+
+    counts = frequencies("lossless", 1)
+    expected = law * N
+    big = expected >= 5  # pool the rare outcomes into one cell
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    p_value = chi2_sf(stat, len(obs) - 1)
+    paper = frequencies("paper", 5)
+    tv_paper = 0.5 * float((paper / N - law).abs().sum())
+    tv_lossless = 0.5 * float((counts / N - law).abs().sum())
+    print(f"\nlossless: chi2={stat:.1f} dof={len(obs) - 1} p={p_value:.3g} TV={tv_lossless:.4f}; "
+          f"paper rule (5 orders) TV={tv_paper:.4f}")
+    assert p_value > 1e-3
+
+
+def test_log_likelihood_is_the_sum_of_autoregressive_log_probs(model):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (3, T), generator=g)
+    order = torch.rand(3, T, generator=g).argsort(1)
+    ll = sigmafast.log_likelihood(model, x, order)
+    for b in range(3):
+        queries = [(order[b, :t].tolist(), x[b, order[b, :t]].tolist(), int(order[b, t])) for t in range(T)]
+        logp = torch.log_softmax(naive.naive_logits(model, queries, T), -1)
+        expected = logp[torch.arange(T), x[b, order[b]]].sum()
+        assert ll[b].item() == pytest.approx(expected.item(), abs=1e-10)
+    l2r = sigmafast.log_likelihood(model, x, "left-to-right")
+    assert torch.allclose(l2r, sigmafast.log_likelihood(model, x, torch.arange(T).expand(3, T)))
+
+
+def test_conditional_density_is_one_burst_of_the_model(model):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (2, T), generator=g)
+    known = torch.rand(2, T, generator=g) < 0.5
+    known[1] = False
+    dens = sigmafast.conditional_density(model, x, known)
+    assert dens.shape == (2, T, VOCAB)
+    assert torch.allclose(dens.sum(-1), torch.ones(2, T, dtype=dens.dtype))
+    for b in range(2):
+        hist = [j for j in range(T) if known[b, j]]  # fed in ascending position order
+        probs = torch.softmax(naive.naive_logits(model, [(hist, x[b, hist].tolist(), j) for j in range(T)], T), -1)
+        for j in range(T):
+            if known[b, j]:
+                assert dens[b, j].tolist() == torch.nn.functional.one_hot(x[b, j], VOCAB).double().tolist()
+            else:
+                assert torch.allclose(dens[b, j], probs[j], atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [
+    ("autoregressive", "paper", 1), ("burst", "paper", 5), ("burst", "lossless", 1)])
+def test_infilling_keeps_known_tokens_and_fills_the_rest(model, strategy, acceptance, num_orders):
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, VOCAB, (4, T), generator=g)
+    known = torch.rand(4, T, generator=g) < torch.tensor([[0.0], [0.3], [0.7], [1.0]])
+    idx_in = torch.where(known, idx, -1)  # unknown entries may hold anything
+    float_model = tiny_model(VOCAB, T, seed=2, std=0.5, dtype=torch.float32)
+    out, stats = sigmafast.generate(float_model, idx_in, known=known, strategy=strategy, acceptance=acceptance,
+                                    num_orders=num_orders, generator=g, return_stats=True)
+    assert out.shape == (4, T) and out.dtype == torch.long
+    assert torch.equal(out[known], idx[known])
+    assert ((out >= 0) & (out < VOCAB)).all()
+    assert stats.iterations[3] == 0 and (stats.iterations[:3] > 0).all()
+    assert (stats.accepted.sum(1) == (~known).sum(1)).all()
+
+
+def test_prompt_and_unconditional_shapes(model):
+    prompt = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(3))
+    out = sigmafast.generate(model, prompt, 4, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 7) and torch.equal(out[:, :3], prompt)
+    out = sigmafast.generate(model, torch.zeros(2, 0, dtype=torch.long), T, strategy="autoregressive")
+    assert out.shape == (2, T)
+
+
+def test_greedy_autoregressive_in_a_fixed_order_ignores_the_generator(model):
+    outs = [
+        sigmafast.generate(model, torch.zeros(3, 0, dtype=torch.long), T, temperature=0, strategy="autoregressive",
+                           order=order, generator=torch.Generator().manual_seed(s))
+        for order in ("left-to-right", "fractal") for s in (0, 1)
+    ]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+
+
+@pytest.mark.parametrize("acceptance,num_orders", [("paper", 3), ("lossless", 1)])
+def test_greedy_burst_is_reproducible(model, acceptance, num_orders):
+    """Greedy token choices use no uniform; the random orders come from the generator, so a seed fixes the result
+    (without a generator, from the global RNG state)."""
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        outs.append(sigmafast.generate(model, torch.zeros(3, 0, dtype=torch.long), T, temperature=0,
+                                       acceptance=acceptance, num_orders=num_orders))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_on_iteration_sees_every_iteration(model):
+    seen = []
+    _, stats = sigmafast.generate(model, torch.zeros(2, 0, dtype=torch.long), T, return_stats=True,
+                                  on_iteration=lambda canvas, known: seen.append(int(known.sum())),
+                                  generator=torch.Generator().manual_seed(0))
+    assert len(seen) == stats.accepted.shape[1] == int(stats.iterations.max())
+    assert seen == sorted(seen) and seen[-1] == 2 * T
+
+
+def test_model_training_flag_is_restored(model):
+    model.train()
+    sigmafast.generate(model, torch.zeros(1, 0, dtype=torch.long), T)
+    assert model.training
+    model.eval()
+
+
+BAD = [
+    pytest.param(dict(idx=torch.full((1, 2), VOCAB)), ValueError, "vocab", id="token-out-of-vocab"),
+    pytest.param(dict(idx=torch.full((1, 2), -1)), ValueError, "vocab", id="negative-token"),
+    pytest.param(dict(max_new_tokens=T), ValueError, "block_size", id="too-long"),
+    pytest.param(dict(idx=torch.zeros(1, T, dtype=torch.long), max_new_tokens=None,
+                      known=torch.ones(1, T - 1, dtype=torch.bool)), ValueError, "shape", id="mask-shape"),
+    pytest.param(dict(idx=torch.zeros(1, T, dtype=torch.long), max_new_tokens=None,
+                      known=torch.ones(1, T, dtype=torch.long)), TypeError, "bool", id="mask-dtype"),
+    pytest.param(dict(known=torch.ones(1, 2, dtype=torch.bool)), ValueError, "max_new_tokens", id="both-modes"),
+    pytest.param(dict(max_new_tokens=None), ValueError, "max_new_tokens", id="no-length"),
+    pytest.param(dict(max_new_tokens=-1), ValueError, "max_new_tokens", id="negative-length"),
+    pytest.param(dict(idx=torch.zeros(1, 2)), TypeError, "integer", id="float-idx"),
+    pytest.param(dict(idx=torch.zeros(2, dtype=torch.long)), ValueError, "shape", id="1d-idx"),
+    pytest.param(dict(temperature=-0.5), ValueError, "temperature", id="negative-temperature"),
+    pytest.param(dict(temperature=float("nan")), ValueError, "temperature", id="nan-temperature"),
+    pytest.param(dict(top_k=0), ValueError, "top_k", id="top-k-zero"),
+    pytest.param(dict(num_orders=0), ValueError, "num_orders", id="no-orders"),
+    pytest.param(dict(strategy="beam"), ValueError, "strategy", id="unknown-strategy"),
+    pytest.param(dict(acceptance="greedy"), ValueError, "acceptance", id="unknown-acceptance"),
+    pytest.param(dict(acceptance="lossless", num_orders=5), ValueError, "num_orders=1", id="lossless-many-orders"),
+    pytest.param(dict(strategy="autoregressive", order="spiral"), ValueError, "order", id="unknown-order"),
+    pytest.param(dict(strategy="autoregressive", order=torch.zeros(1, 4, dtype=torch.long)), ValueError,
+                 "permutation", id="order-not-a-permutation"),
+    pytest.param(dict(order="left-to-right"), ValueError, "autoregressive", id="burst-with-order"),
+    pytest.param(dict(generator=0), TypeError, "generator", id="bad-generator"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,match", BAD)
+@pytest.mark.parametrize("impl", ["cached", "naive"])
+def test_bad_input_is_rejected(model, kwargs, error, match, impl):
+    args = {"idx": torch.zeros(1, 2, dtype=torch.long), "max_new_tokens": 2, **kwargs}
+    fn = sigmafast.generate if impl == "cached" else naive.generate
+    with pytest.raises(error, match=match):
+        fn(model, args.pop("idx"), **args)
+
+
+def test_bad_model_is_rejected():
+    with pytest.raises(TypeError, match="model"):
+        sigmafast.generate(torch.nn.Linear(2, 2), torch.zeros(1, 0, dtype=torch.long), 2)

@@ -1,0 +1,295 @@
+import importlib.util
+import logging
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import sigmafast.train as train_mod
+from sigmafast.checkpoint import atomic_save, read_checkpoint
+from sigmafast.model import SigmaGPT
+from sigmafast.tasks import get_task
+from sigmafast.train import TrainConfig, build_model_config, configure_optimizer, learning_rate, load_checkpoint, train
+from sigmafast.train_config import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("sigmafast_train_script", REPO / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine run fastest (and reproducibly) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_cfg(tmp_path, **kw) -> TrainConfig:
+    base = dict(task="permutation", seq_len=12, preset="tiny", batch_size=8, max_iters=8, warmup_iters=2,
+                eval_interval=4, eval_iters=2, log_interval=1, num_eval_samples=0, out_dir=str(tmp_path))
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(result) -> dict[int, float]:
+    return {e["iter"]: e["loss"] for e in result.train_log}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "task,kw,min_drop",
+    [
+        ("step", {}, 0.5),  # T=100: from ~ln 3 to about the per-token entropy of the data
+        ("permutation", {"seq_len": 8, "pos_encoding": "learned"}, 0.5),  # below ln 8: learns exclusion
+    ],
+    ids=["step-T100", "permutation-T8"],
+)
+def test_training_lowers_random_order_val_loss(tmp_path, task, kw, min_drop):
+    cfg = TrainConfig(task=task, preset="tiny", max_iters=300, batch_size=16, eval_interval=300, eval_iters=4,
+                      log_interval=100, num_eval_samples=0, out_dir=str(tmp_path), **kw)
+    result = train(cfg)
+    first, last = result.history[0], result.history[-1]
+    assert (first["iter"], last["iter"]) == (0, 300)
+    assert last["val_loss_random"] < first["val_loss_random"] - min_drop, result.history
+    if task == "permutation":
+        assert last["val_loss_random"] < math.log(8) - 0.3, "no better than uniform over the unseen classes"
+    assert math.isclose(last["val_ppl_l2r"], math.exp(last["val_loss_l2r"]))
+
+
+def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path, monkeypatch):
+    kw = dict(order="curriculum", dropout=0.1, grad_accum=2, max_iters=10)
+    straight = train(small_cfg(tmp_path / "a", **kw))
+
+    real_get_batch = train_mod.get_batch
+
+    def get_batch_then_sigterm(task, cfg, step, index, start_pos, device):
+        if step == 4 and index == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_get_batch(task, cfg, step, index, start_pos, device)
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_sigterm)
+    first = train(small_cfg(tmp_path / "b", **kw))
+    monkeypatch.setattr(train_mod, "get_batch", real_get_batch)
+    assert first.interrupted and signal.getsignal(signal.SIGTERM) is handler_before
+    assert read_checkpoint(first.checkpoint_path)["iter"] == 5
+    assert sorted(losses(first)) == list(range(5))
+
+    second = train(small_cfg(tmp_path / "b", resume=True, **kw))
+    assert not second.interrupted
+    assert sorted(losses(second)) == list(range(5, 10))
+    combined = {**losses(first), **losses(second)}
+    assert combined == losses(straight)  # bitwise
+    assert [h["iter"] for h in second.history] == [0, 4, 8, 10]
+    assert second.history == straight.history
+    for p, q in zip(straight.model.parameters(), second.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_checkpoint_contents_and_load(tmp_path):
+    result = train(small_cfg(tmp_path, max_iters=5))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter"] == 5 and len(ckpt["rng"]) == 1
+    assert set(ckpt["best_val_loss"]) == {"random", "l2r"}
+    assert ckpt["best_val_loss"]["random"] == min(h["val_loss_random"] for h in result.history)
+    assert ckpt["optimizer"]["state"], "optimizer moments are saved"
+    model, task, cfg = load_checkpoint(tmp_path / "ckpt.pt")
+    assert task.name == "permutation" and task.seq_len == 12
+    assert cfg.max_iters == 5 and cfg.lr == 1e-3 and cfg.grad_accum == 1  # resolved
+    assert not model.training
+    for (n, p), q in zip(model.named_parameters(), result.model.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_atomic_save_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    atomic_save({"v": 1}, path)
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_save({"v": 2}, path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert torch.load(path) == {"v": 1}
+
+
+def test_curriculum_logs_linearly_falling_l2r_fraction(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="sigmafast.train"):
+        result = train(small_cfg(tmp_path, order="curriculum", curriculum_start=0.5, max_iters=10))
+    fractions = [e["l2r_fraction"] for e in result.train_log]
+    assert [e["iter"] for e in result.train_log] == list(range(10))
+    expected = [0.5 * (1 - it / 10) for it in range(10)]
+    assert fractions == pytest.approx(expected, abs=1e-12)
+    steps = [b - a for a, b in zip(fractions, fractions[1:])]
+    assert steps == pytest.approx([-0.05] * 9)
+    assert "l2r 0.500" in caplog.text and "l2r 0.050" in caplog.text
+
+
+def test_log_lines(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="sigmafast.train"):
+        train(small_cfg(tmp_path, max_iters=3))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("iter ")]
+    assert len(lines) == 3
+    for part in ("loss ", "lr ", "tok/s", "eta "):
+        assert part in lines[0]
+    assert any("val loss random" in r.getMessage() and "(ppl" in r.getMessage() for r in caplog.records)
+
+
+def test_validity_metric_from_sampled_sequences(tmp_path):
+    pytest.importorskip("sigmafast.reference", reason="sigmafast/reference.py (naive sampler) not written yet")
+    result = train(small_cfg(tmp_path, task="step", seq_len=12, max_iters=2, eval_interval=2, num_eval_samples=4))
+    for record in result.history:
+        assert 0.0 <= record["sample_valid"] <= 1.0
+
+
+def test_learning_rate_schedule():
+    cfg = resolve(TrainConfig(lr=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200), 12)
+    assert learning_rate(0, cfg) == pytest.approx(1 / 11)
+    assert learning_rate(9, cfg) == pytest.approx(10 / 11)
+    assert learning_rate(10, cfg) == pytest.approx(1.0)
+    assert learning_rate(60, cfg) == pytest.approx(0.55)
+    assert learning_rate(110, cfg) == pytest.approx(0.1) and learning_rate(150, cfg) == pytest.approx(0.1)
+    lrs = [learning_rate(i, cfg) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_weight_decay_only_on_matrices():
+    cfg = resolve(TrainConfig(), 12)
+    model = SigmaGPT(build_model_config(cfg, get_task("permutation", seq_len=12)))
+    opt = configure_optimizer(model, cfg, torch.device("cpu"))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium"])
+def test_paper_recipe(preset):
+    cfg = resolve(TrainConfig(task="owt", preset=preset), seq_len=1024, world_size=8)
+    assert (cfg.lr, cfg.min_lr, cfg.warmup_iters, cfg.weight_decay) == (6e-4, 6e-5, 2000, 0.1)
+    assert (cfg.beta1, cfg.beta2, cfg.grad_clip, cfg.dtype) == (0.9, 0.95, 1.0, "auto")
+    assert cfg.lr_decay_iters == cfg.max_iters
+    tokens = cfg.batch_size * cfg.grad_accum * 1024
+    assert 0.45e6 < tokens < 0.55e6 and cfg.grad_accum % 8 == 0
+    assert resolve(TrainConfig(task="owt", preset=preset, grad_accum=4, lr=1e-4), 1024).lr == 1e-4
+
+
+def test_grad_accum_must_split_across_ranks():
+    with pytest.raises(ValueError, match="grad_accum \\(3\\) must be divisible by the number of DDP ranks \\(2\\)"):
+        resolve(TrainConfig(grad_accum=3), 12, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(task="nope"), ValueError, "TrainConfig.task: unknown task 'nope'"),
+        (dict(preset="huge"), ValueError, "TrainConfig.preset: unknown preset 'huge'"),
+        (dict(order="zigzag"), ValueError, "TrainConfig.order: unknown order 'zigzag'"),
+        (dict(n_embd=60, n_head=4), ValueError, "n_embd \\(60\\) must be divisible by 2\\*n_head \\(8\\)"),
+        (dict(n_head=3), ValueError, "n_embd \\(64\\) must be divisible by 2\\*n_head \\(6\\)"),
+        (dict(max_iters=1.5), TypeError, "TrainConfig.max_iters must be int or None"),
+        (dict(compile="yes"), TypeError, "TrainConfig.compile must be bool"),
+        (dict(lr=0.0), ValueError, "TrainConfig.lr must be > 0"),
+        (dict(batch_size=0), ValueError, "TrainConfig.batch_size must be >= 1"),
+        (dict(beta2=1.0), ValueError, "TrainConfig.beta2 must be in"),
+        (dict(curriculum_start=2.0), ValueError, "TrainConfig.curriculum_start must be in"),
+        (dict(lr=1e-3, min_lr=1e-2), ValueError, "min_lr"),
+        (dict(dtype="float16"), ValueError, "TrainConfig.dtype"),
+        (dict(device="tpu"), ValueError, "TrainConfig.device"),
+    ],
+    ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",
+         "curriculum", "min_lr", "dtype", "device"],
+)
+def test_config_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_train_input_errors(tmp_path):
+    with pytest.raises(TypeError, match="cfg must be a TrainConfig"):
+        train({"task": "permutation"})
+    with pytest.raises(ValueError, match="block_size \\(10\\) must be >= the task's seq_len \\(12\\)"):
+        train(small_cfg(tmp_path, block_size=10))
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*ckpt.pt"):
+        train(small_cfg(tmp_path / "empty", resume=True))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable sigmafast checkpoint"):
+        load_checkpoint(tmp_path / "junk.pt")
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    torch.set_num_threads(1)
+    train(small_cfg(out, max_iters=2))
+    return out
+
+
+BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "--max-iters", "2",
+             "--eval-iters", "1", "--num-eval-samples", "0"]
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--task", "nope"], "argument --task: invalid choice: 'nope'"),
+        (["--order", "zigzag"], "argument --order: invalid choice: 'zigzag'"),
+        (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+        (["--block-size", "8"], "block_size (8) must be >= the task's seq_len (12)"),
+        (["--n-embd", "60", "--n-head", "4"], "n_embd (60) must be divisible by 2*n_head (8)"),
+        (["--max-iters", "many"], "argument --max-iters: invalid int value: 'many'"),
+        (["--lr", "-1"], "TrainConfig.lr must be > 0"),
+        (["--seq-len", "1"], "seq_len"),
+        (["--resume", "--out-dir", "{empty}"], "no checkpoint at"),
+        (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 2, now 3"),
+        (["--resume", "--out-dir", "{trained}", "--seq-len", "10"], "task seq_len: checkpoint 12, now 10"),
+        (["--resume", "--out-dir", "{trained}", "--task", "step"], "task name: checkpoint 'permutation', now 'step'"),
+    ],
+    ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
+         "other-arch", "other-seq-len", "other-task"],
+)
+def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
+    script = load_script()
+    argv = [a.format(empty=tmp_path / "empty", trained=trained_dir) for a in BASE_ARGV + extra]
+    try:
+        code = script.main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert match in err
+    assert "Traceback" not in err
+
+
+def test_script_flags_mirror_config(tmp_path):
+    parser = load_script().build_parser()
+    args = parser.parse_args(["--max-iters", "7", "--no-bias", "--compile", "--order", "fractal",
+                              "--curriculum-start", "0.25", "--out-dir", str(tmp_path)])
+    cfg = TrainConfig(**vars(args))
+    assert (cfg.max_iters, cfg.bias, cfg.compile, cfg.order, cfg.curriculum_start) == (7, False, True, "fractal", 0.25)
+    assert TrainConfig(**vars(parser.parse_args([]))) == TrainConfig()
+
+
+def test_script_trains_and_resumes(tmp_path, capsys):
+    script = load_script()
+    argv = BASE_ARGV + ["--out-dir", str(tmp_path)]
+    assert script.main(argv) == 0
+    assert script.main(argv + ["--max-iters", "3", "--resume"]) == 0
+    assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 3
