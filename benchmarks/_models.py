@@ -58,10 +58,11 @@ class ModelSpec:
 
 
 CPU_SPECS = {
-    "permutation": ModelSpec("permutation", "permutation", "tiny", max_iters=800, batch_size=32, lr=3e-3),
+    "permutation": ModelSpec("permutation", "permutation", "tiny", max_iters=800, batch_size=32, lr=3e-3,
+                             overrides=dict(pos_encoding="learned")),
     "step": ModelSpec("step", "step", "tiny", max_iters=800, batch_size=32, lr=3e-3),
     "maze": ModelSpec("maze", "maze", "tiny", max_iters=500, batch_size=16, lr=3e-3, n_sequences=8),
-    "char": ModelSpec("char", "char", "small", max_iters=400, batch_size=16, lr=2e-3, seq_len=256, n_sequences=4),
+    "char": ModelSpec("char", "char", "tiny", max_iters=1000, batch_size=16, lr=3e-3, seq_len=256, n_sequences=4),
 }
 FULL_SPECS = {
     "permutation": ModelSpec("permutation", "permutation", "small", max_iters=20000, batch_size=64),

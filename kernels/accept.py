@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from .reference import RULES, Acceptance
-from .sampling import _kth, _load_logits, _online_lse, rows_per_program
-from .utils import check_float
+from .utils import check_float, kth_largest, load_logits, online_lse, rows_per_program
 
 
 @triton.jit
@@ -54,8 +53,8 @@ def _draft_logq_kernel(
         b_xd = tl.full([BLOCK_N], float("-inf"), tl.float32)
         for start in range(0, V, BLOCK_V):
             o_v = start + o_b[None, :]
-            b_x = _load_logits(p_x, o_v, m_n[:, None] & (o_v < V), kth, temperature, HAS_TOPK)
-            b_m, b_s = _online_lse(b_m, b_s, b_x)
+            b_x = load_logits(p_x, o_v, m_n[:, None] & (o_v < V), kth, temperature, HAS_TOPK)
+            b_m, b_s = online_lse(b_m, b_s, b_x)
             b_xd = tl.maximum(b_xd, tl.max(tl.where(o_v == d[:, None], b_x, float("-inf")), 1))
         b_m = tl.where(m_n, b_m, 0.0)
         b_s = tl.where(m_n, b_s, 1.0)
@@ -86,9 +85,9 @@ def draft_logq(logits, drafts, temperature, top_k, block_v=None):
     """(N, V) logits, (N,) drafts -> (N,) float32 log q of the drafts, or (N,) int64 argmax if temperature 0."""
     N, V = logits.shape
     block_v = block_v or min(triton.next_power_of_2(V), 4096)
-    block_n = min(rows_per_program(V, block_v), triton.next_power_of_2(N))
+    block_n = min(rows_per_program(block_v), triton.next_power_of_2(N))
     greedy = temperature == 0
-    kth = None if greedy else _kth(logits, top_k)
+    kth = None if greedy else kth_largest(logits, top_k)
     res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=logits.device)
     _draft_logq_kernel[(triton.cdiv(N, block_n),)](
         logits, drafts, kth if kth is not None else res, res, res,

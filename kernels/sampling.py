@@ -25,24 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import check_float
-
-
-@triton.jit
-def _load_logits(ptr, o_v, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
-    b_x = tl.load(ptr + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
-    if HAS_TOPK:
-        b_x = tl.where(b_x < kth, float("-inf"), b_x)
-    return b_x / temperature
-
-
-@triton.jit
-def _online_lse(b_m, b_s, b_x):
-    """Fold a (BLOCK_N, BLOCK_V) chunk into per-row running max and sum of exp."""
-    m_new = tl.maximum(b_m, tl.max(b_x, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    b_s = b_s * tl.exp(b_m - m_use) + tl.sum(tl.exp(b_x - m_use[:, None]), 1)
-    return m_new, b_s
+from .utils import check_float, kth_largest, load_logits, online_lse, rows_per_program
 
 
 @triton.jit
@@ -71,9 +54,9 @@ def _sample_kernel(
     for start in range(0, V, BLOCK_V):
         o_v = start + o_b[None, :]
         m_v = m_n[:, None] & (o_v < V)
-        m_q, s_qs = _online_lse(m_q, s_qs, _load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK))
+        m_q, s_qs = online_lse(m_q, s_qs, load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK))
         if RESIDUAL:
-            m_p, s_ps = _online_lse(m_p, s_ps, _load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK))
+            m_p, s_ps = online_lse(m_p, s_ps, load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK))
 
     m_q = tl.where(m_n, m_q, 0.0)  # padding rows: keep them finite
     s_qs = tl.where(m_n, s_qs, 1.0)
@@ -86,8 +69,8 @@ def _sample_kernel(
         for start in range(0, V, BLOCK_V):
             o_v = start + o_b[None, :]
             m_v = m_n[:, None] & (o_v < V)
-            b_q = tl.exp(_load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
-            b_p = tl.exp(_load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
+            b_q = tl.exp(load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
+            b_p = tl.exp(load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
             r_tot += tl.sum(tl.maximum(b_q - b_p, 0.0), 1)
             q_tot += tl.sum(b_q, 1)
         empty = r_tot <= 0.0
@@ -102,11 +85,11 @@ def _sample_kernel(
         bound = tl.where(m_n & (first == V), V, 0)  # stop loading a row once its token is found
         m_v = o_v < bound[:, None]
         if RESIDUAL:
-            b_q = tl.exp(_load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
-            b_p = tl.exp(_load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
+            b_q = tl.exp(load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
+            b_p = tl.exp(load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
             b_w = tl.where(empty[:, None], b_q, tl.maximum(b_q - b_p, 0.0))
         else:
-            b_w = tl.exp(_load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - m_q[:, None])
+            b_w = tl.exp(load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - m_q[:, None])
         b_c = carry[:, None] + tl.cumsum(b_w, 1)
         first = tl.minimum(first, tl.min(tl.where((b_c > target[:, None]) & m_v, o_v, V), 1))
         last_nz = tl.maximum(last_nz, tl.max(tl.where(b_w > 0.0, o_v, -1), 1))
@@ -115,13 +98,8 @@ def _sample_kernel(
     tl.store(TOK + o_n64, token.to(tl.int64), mask=m_n)
     if not RESIDUAL:
         m_tok = m_n & (token >= 0)
-        x_tok = _load_logits(QL + o_n64 * s_q, token, m_tok, kq.reshape([BLOCK_N]), temperature, HAS_TOPK)
+        x_tok = load_logits(QL + o_n64 * s_q, token, m_tok, kq.reshape([BLOCK_N]), temperature, HAS_TOPK)
         tl.store(LOGP + o_n64, (x_tok - lse_q).to(LOGP.dtype.element_ty), mask=m_n)
-
-
-def rows_per_program(V: int, block_v: int, budget: int = 4096) -> int:
-    """Rows per program so that a (rows, BLOCK_V) chunk holds about ``budget`` elements."""
-    return max(1, min(budget // block_v, 256))
 
 
 def _check_args(logits, uniforms, temperature, top_k, name="logits") -> None:
@@ -144,26 +122,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _kth(logits: torch.Tensor, top_k: Optional[int]) -> Optional[torch.Tensor]:
-    if top_k is None or top_k >= logits.shape[-1]:
-        return None
-    return logits.topk(top_k, dim=-1).values[..., -1].float().contiguous()  # (N,)
-
-
 def _launch(q_logits, p_logits, uniforms, temperature, top_k, block_v):
     N, V = q_logits.shape
     residual = p_logits is not None
     q_logits = _rows(q_logits)
     p_logits = _rows(p_logits) if residual else q_logits
-    kq = _kth(q_logits, top_k)
-    kp = _kth(p_logits, top_k) if residual else None
+    kq = kth_largest(q_logits, top_k)
+    kp = kth_largest(p_logits, top_k) if residual else None
     tokens = torch.empty(N, dtype=torch.int64, device=q_logits.device)
     logp = torch.empty(N, dtype=q_logits.dtype, device=q_logits.device)
     if N == 0:
         return tokens, logp
     block_v = block_v or min(triton.next_power_of_2(V), 4096)
     u = uniforms.float().contiguous()
-    block_n = min(rows_per_program(V, block_v), triton.next_power_of_2(N))
+    block_n = min(rows_per_program(block_v), triton.next_power_of_2(N))
     _sample_kernel[(triton.cdiv(N, block_n),)](
         q_logits, p_logits, u, kq if kq is not None else u, kp if kp is not None else u, tokens, logp,
         q_logits.stride(0), p_logits.stride(0), N, V, float(temperature),

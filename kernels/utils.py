@@ -1,4 +1,4 @@
-"""Shared pieces of the Triton kernels: input checks and the cascade attention kernel.
+"""Shared pieces of the Triton kernels: input checks, vocabulary helpers, cascade attention.
 
 Burst and verification attention are one kernel. The queries of a (b, h) are
 flattened into M = S·G rows, G segments of S consecutive tokens (verification:
@@ -19,6 +19,7 @@ so the fp32 path is as exact as the reference.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -55,11 +56,41 @@ def check_int(name: str, t: torch.Tensor, shape: tuple, device: torch.device) ->
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def kth_largest(logits: torch.Tensor, top_k: Optional[int]) -> Optional[torch.Tensor]:
+    """(N,) float32 k-th largest logit per row of (N, V) logits, None when top-k keeps all."""
+    if top_k is None or top_k >= logits.shape[-1]:
+        return None
+    return logits.topk(top_k, dim=-1).values[..., -1].float().contiguous()  # (N,)
+
+
+def rows_per_program(block_v: int, budget: int = 4096) -> int:
+    """Rows per program so that a (rows, BLOCK_V) chunk holds about ``budget`` elements."""
+    return max(1, min(budget // block_v, 256))
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors to fill; a small stand-in in the CPU interpreter."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+@triton.jit
+def load_logits(ptr, o_v, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
+    """Logits as fp32, -inf where masked or below the top-k threshold, over the temperature."""
+    b_x = tl.load(ptr + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
+    if HAS_TOPK:
+        b_x = tl.where(b_x < kth, float("-inf"), b_x)
+    return tl.math.div_rn(b_x, temperature)  # IEEE division, as torch's logits / temperature
+
+
+@triton.jit
+def online_lse(b_m, b_s, b_x):
+    """Fold a (BLOCK_N, BLOCK_V) chunk into per-row running max and sum of exp."""
+    m_new = tl.maximum(b_m, tl.max(b_x, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_s = b_s * tl.exp(b_m - m_use) + tl.sum(tl.exp(b_x - m_use[:, None]), 1)
+    return m_new, b_s
 
 
 @triton.jit

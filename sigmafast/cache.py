@@ -18,6 +18,7 @@ class KVCache(nn.Module):
       ``(B, H, L_max + 1, D)`` prefix per row shared by all queries and orders
       (never copied per order), masked by ``lens``.
     - :meth:`append` writes ``n[b]`` new entries of each row at ``lens[b]``.
+    - :meth:`select` drops finished rows from the batch.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
@@ -42,3 +43,7 @@ class KVCache(nn.Module):
         self.k.scatter_(3, index, k_new.to(self.k.dtype))
         self.v.scatter_(3, index, v_new.to(self.v.dtype))
         self.lens += n
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given batch rows (B',), in that order (a gather of the buffers)."""
+        self.k, self.v, self.lens = self.k[:, rows], self.v[:, rows], self.lens[rows]

@@ -66,6 +66,11 @@ class NeuralSession:
         self.last_pos = last_pos  # (B,)
         self._pending: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given rows (B',) of the batch."""
+        self.cache.select(rows)
+        self.last_tok, self.last_pos = self.last_tok[rows], self.last_pos[rows]
+
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, R) queried positions -> (B, R, V) logits of p(x_j | visited)."""
         B, R = positions.shape

@@ -17,30 +17,16 @@ position order, like the cached sampler.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable, Optional
 
 import torch
 
-from .request import ar_rank, build_stats, draw, draw_burst, prepare
+from .request import ar_rank, build_stats, draw, draw_burst, eval_mode, prepare
 
 
 def _is_neural(model) -> bool:
     return isinstance(model, torch.nn.Module) and hasattr(model, "config")
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Run with dropout off, restoring the model's training flag afterwards."""
-    was_training = getattr(model, "training", False)
-    if was_training:
-        model.eval()
-    try:
-        yield
-    finally:
-        if was_training:
-            model.train()
 
 
 def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
@@ -146,8 +132,11 @@ def generate(
     history = [[j for j in range(T) if known_now[b, j]] for b in range(B)]  # visited positions, in order
     forward_calls = int(any(history) and not bool(known_now.all()))  # the prefill
     run = _autoregressive if req.strategy == "autoregressive" else _burst
-    with torch.no_grad(), eval_mode(model):
-        accepted, lengths, calls = run(model, req, canvas, known_now, history, on_iteration)
+    if bool(known_now.all()):  # nothing to sample: no draw, no model call
+        accepted, lengths, calls = [], None if req.strategy == "autoregressive" else [], 0
+    else:
+        with torch.no_grad(), eval_mode(model):
+            accepted, lengths, calls = run(model, req, canvas, known_now, history, on_iteration)
     stats = build_stats(accepted, lengths, B, canvas.device, forward_calls + calls, time.perf_counter() - t0)
     return (canvas, stats) if return_stats else canvas
 

@@ -7,6 +7,7 @@ so the draws live here (see :mod:`sigmafast.sampler` for the protocol).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
@@ -66,6 +67,19 @@ def build_stats(accepted: list, lengths: Optional[list], batch_size: int, device
     if lengths is not None:
         lens = torch.stack(lengths, 1) if lengths else torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     return SampleStats((acc > 0).sum(1), forward_calls, acc, lens, wall_time)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Run with dropout off, restoring the model's training flag afterwards."""
+    was_training = getattr(model, "training", False)
+    if was_training:
+        model.eval()
+    try:
+        yield
+    finally:
+        if was_training:
+            model.train()
 
 
 def model_limits(model) -> tuple[int, int, torch.device]:

@@ -11,6 +11,7 @@ KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
     session.verify(orders (B, O, R), drafts (B, O, R)) -> (B, O, R, V)
         # step k of order o: q(x_ok | visited, x̃_o0 … x̃_o(k-1))
     session.commit(choice (B,), n (B,), canvas, known)      # order choice[b]'s first n[b] steps
+    session.select(rows (B',))                              # keep only these rows (drop finished ones)
 
 Randomness protocol (shared with :mod:`sigmafast.reference`). Every draw is an
 explicit float64 tensor from the user's ``generator`` (the global CPU RNG when
@@ -49,8 +50,7 @@ import torch
 
 from . import kernels
 from .engine import NeuralConditionals
-from .reference import eval_mode
-from .request import SampleStats, ar_rank, build_stats, draw, draw_burst, prepare
+from .request import SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, prepare
 
 __all__ = ["generate", "conditional_density", "log_likelihood", "as_conditionals", "SampleStats"]
 
@@ -107,6 +107,8 @@ def generate(
             prefill_calls = int(bool(known_now.any()))
             run = _autoregressive if autoregressive else _burst
             accepted, lengths, calls = run(session, req, canvas, known_now, on_iteration)
+    if canvas.is_cuda:
+        torch.cuda.synchronize(canvas.device)  # wall time of the finished work
     stats = build_stats(accepted, lengths, canvas.shape[0], canvas.device, prefill_calls + calls,
                         time.perf_counter() - t0)
     return (canvas, stats) if return_stats else canvas
@@ -144,63 +146,98 @@ def _autoregressive(session, req, canvas, known, on_iteration):
 
 
 def _burst(session, req, canvas, known, on_iteration):
-    """Draft, verify, accept, commit until every row is complete."""
+    """Draft, verify, accept, commit until every row is complete.
+
+    Rows that are finished are dropped from the working batch once they are at
+    least half of it (a row gather of the cache, at most log2(B) times), using
+    the counts read by the iteration's single host read.
+    """
+    B, T = canvas.shape
+    device = canvas.device
+    live = torch.arange(B, device=device)  # full-batch row of each working row
+    work_canvas, work_known = canvas, known
+    remaining = (~known).sum(1)  # (B_work,)
+    accepted, lengths, calls = [], [], 0
+    while True:
+        counts = remaining.tolist()  # the iteration's single host read
+        if max(counts) == 0:
+            break
+        n_live = sum(c > 0 for c in counts)
+        if n_live <= len(counts) // 2:
+            keep = (remaining == 0).to(torch.int8).argsort(stable=True)[:n_live]  # unfinished rows, in order
+            _write_back(canvas, known, live, work_canvas, work_known)
+            live, work_canvas, work_known, remaining = live[keep], work_canvas[keep], work_known[keep], remaining[keep]
+            session.select(keep)
+        d = draw_burst(req.generator, B, req.num_orders, T, device)
+        if work_canvas is not canvas:
+            d = type(d)(*(t[live] for t in d))
+        calls += 2
+        n_commit, n = _burst_step(session, req, work_canvas, work_known, remaining, d, max(counts))
+        remaining = remaining - n_commit
+        zeros = torch.zeros(B, dtype=torch.long, device=device)
+        accepted.append(zeros.index_copy(0, live, n_commit))
+        lengths.append(zeros.index_copy(0, live, n))
+        if on_iteration is not None:
+            _write_back(canvas, known, live, work_canvas, work_known)
+            on_iteration(canvas, known)
+    _write_back(canvas, known, live, work_canvas, work_known)
+    return accepted, lengths, calls
+
+
+def _write_back(canvas, known, live, work_canvas, work_known) -> None:
+    if work_canvas is not canvas:
+        canvas.index_copy_(0, live, work_canvas)
+        known.index_copy_(0, live, work_known)
+
+
+def _burst_step(session, req, canvas, known, remaining, d, R: int):
+    """One iteration on the working batch; updates canvas and known in place.
+
+    Returns the committed counts (B,) and the chosen orders' accepted draft lengths (B,).
+    """
     B, T = canvas.shape
     O, temp, top_k = req.num_orders, req.temperature, req.top_k
     device = canvas.device
     rows = torch.arange(B, device=device)
-    remaining = (~known).sum(1)  # (B,)
-    accepted, lengths, calls = [], [], 0
-    while True:
-        R = int(remaining.max())  # the iteration's single host sync
-        if R == 0:
-            break
-        d = draw_burst(req.generator, B, O, T, device)
-        calls += 2
-        steps = torch.arange(R, device=device)
+    steps = torch.arange(R, device=device)
 
-        # Draft: p(x_j | visited) at every remaining position (unknown first, ascending; then padding).
-        rem_pos = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
-        p_logits = session.draft(rem_pos)  # (B, R, V)
-        tok, logp = kernels.sample(p_logits.flatten(0, 1), d.u_draft.gather(1, rem_pos).flatten(), temp, top_k)
-        draft_tok = canvas.scatter(1, rem_pos, tok.view(B, R))  # (B, T) by position
-        draft_logp = torch.zeros(B, T, dtype=logp.dtype, device=device).scatter(1, rem_pos, logp.view(B, R))
-        slot = torch.zeros(B, T, dtype=torch.long, device=device).scatter(1, rem_pos, steps.expand(B, R))
+    # Draft: p(x_j | visited) at every remaining position (unknown first, ascending; then padding).
+    rem_pos = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
+    p_logits = session.draft(rem_pos)  # (B, R, V)
+    tok, logp = kernels.sample(p_logits.flatten(0, 1), d.u_draft.gather(1, rem_pos).flatten(), temp, top_k)
+    draft_tok = canvas.scatter(1, rem_pos, tok.view(B, R))  # (B, T) by position
+    draft_logp = torch.zeros(B, T, dtype=logp.dtype, device=device).scatter(1, rem_pos, logp.view(B, R))
+    slot = torch.zeros(B, T, dtype=torch.long, device=device).scatter(1, rem_pos, steps.expand(B, R))
 
-        # Verify O random orders of the remaining positions at once.
-        orders = d.keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]  # (B, O, R)
-        drafts = draft_tok[:, None, :].expand(B, O, T).gather(2, orders)
-        q_logits = session.verify(orders, drafts)  # (B, O, R, V)
-        res = kernels.acceptance(
-            q_logits, drafts, draft_logp[:, None, :].expand(B, O, T).gather(2, orders),
-            d.u_accept[:, None, :].expand(B, O, T).gather(2, orders), remaining, temp, top_k, req.acceptance,
-        )
-        choice = res.best if req.acceptance == "paper" else torch.zeros_like(res.best)
-        n = res.n_accept[rows, choice]  # (B,)
-        chosen = orders[rows, choice]  # (B, R)
-        new_tok = drafts[rows, choice]  # (B, R)
-        n_commit = n
-        if req.acceptance == "lossless":
-            rejected = n < remaining
-            k = n.clamp(max=R - 1)
-            j = chosen.gather(1, k[:, None]).squeeze(1)  # (B,) position of the first rejection
-            p_rows = p_logits[rows, slot.gather(1, j[:, None]).squeeze(1)]  # (B, V)
-            r_tok = kernels.residual_sample(q_logits[rows, choice, k], p_rows,
-                                            d.u_residual.gather(1, j[:, None]).squeeze(1), temp, top_k)
-            new_tok = torch.where((steps[None, :] == k[:, None]) & rejected[:, None], r_tok[:, None], new_tok)
-            n_commit = n + rejected.long()
+    # Verify O random orders of the remaining positions at once.
+    orders = d.keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]  # (B, O, R)
+    drafts = draft_tok[:, None, :].expand(B, O, T).gather(2, orders)
+    q_logits = session.verify(orders, drafts)  # (B, O, R, V)
+    res = kernels.acceptance(
+        q_logits, drafts, draft_logp[:, None, :].expand(B, O, T).gather(2, orders),
+        d.u_accept[:, None, :].expand(B, O, T).gather(2, orders), remaining, temp, top_k, req.acceptance,
+    )
+    choice = res.best if req.acceptance == "paper" else torch.zeros_like(res.best)
+    n = res.n_accept[rows, choice]  # (B,)
+    chosen = orders[rows, choice]  # (B, R)
+    new_tok = drafts[rows, choice]  # (B, R)
+    n_commit = n
+    if req.acceptance == "lossless":
+        rejected = n < remaining
+        k = n.clamp(max=R - 1)
+        j = chosen.gather(1, k[:, None]).squeeze(1)  # (B,) position of the first rejection
+        p_rows = p_logits[rows, slot.gather(1, j[:, None]).squeeze(1)]  # (B, V)
+        r_tok = kernels.residual_sample(q_logits[rows, choice, k], p_rows,
+                                        d.u_residual.gather(1, j[:, None]).squeeze(1), temp, top_k)
+        new_tok = torch.where((steps[None, :] == k[:, None]) & rejected[:, None], r_tok[:, None], new_tok)
+        n_commit = n + rejected.long()
 
-        # Commit: the chosen order's first n_commit steps.
-        take = steps[None, :] < n_commit[:, None]  # (B, R)
-        canvas.scatter_(1, chosen, torch.where(take, new_tok, canvas.gather(1, chosen)))
-        known.scatter_(1, chosen, take | known.gather(1, chosen))
-        session.commit(choice, n_commit, canvas, known)
-        remaining = remaining - n_commit
-        accepted.append(n_commit)
-        lengths.append(n)
-        if on_iteration is not None:
-            on_iteration(canvas, known)
-    return accepted, lengths, calls
+    # Commit: the chosen order's first n_commit steps.
+    take = steps[None, :] < n_commit[:, None]  # (B, R)
+    canvas.scatter_(1, chosen, torch.where(take, new_tok, canvas.gather(1, chosen)))
+    known.scatter_(1, chosen, take | known.gather(1, chosen))
+    session.commit(choice, n_commit, canvas, known)
+    return n_commit, n
 
 
 def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ are known.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
@@ -99,7 +100,7 @@ class TrainConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         if self.pos_encoding is not None:
             _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
-        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"TrainConfig.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "max_iters", "batch_size",
                      "grad_accum", "lr_decay_iters", "eval_interval", "eval_iters", "log_interval"):
@@ -192,8 +193,8 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
     preset = TRAIN_PRESETS[cfg.preset]
     values = {k: (preset[k] if getattr(cfg, k) is None and k in preset and k != "min_lr" else getattr(cfg, k))
               for k in (f.name for f in dataclasses.fields(cfg))}
-    if values["grad_accum"] is None:
-        accum = max(1, round(PAPER_TOKENS_PER_STEP / (values["batch_size"] * seq_len)))
+    if cfg.grad_accum is None:  # at least one micro-step per rank
+        accum = preset.get("grad_accum") or max(1, round(PAPER_TOKENS_PER_STEP / (values["batch_size"] * seq_len)))
         values["grad_accum"] = -(-accum // world_size) * world_size
     if values["min_lr"] is None:  # the preset's, unless lr is overridden: then lr / 10
         values["min_lr"] = preset.get("min_lr", values["lr"] / 10) if cfg.lr is None else values["lr"] / 10

@@ -129,3 +129,14 @@ def test_oracle_autoregressive_and_infilling_samples_are_valid(name, kwargs):
 def test_make_oracle_rejects_other_tasks():
     with pytest.raises(ValueError, match="oracle"):
         make_oracle(get_task("random_walk"))
+
+
+@pytest.mark.parametrize("name,kwargs,n_sequences", [
+    ("permutation", dict(seq_len=5), 120), ("step", dict(seq_len=10, run_length=3), 8)])
+def test_oracle_log_likelihood_is_uniform_in_every_order(name, kwargs, n_sequences):
+    task = get_task(name, **kwargs)
+    g = torch.Generator().manual_seed(0)
+    x = task.sample_batch(4, generator=g)
+    for order in (torch.rand(x.shape, generator=g).argsort(1), "left-to-right", "fractal"):
+        ll = sigmafast.log_likelihood(task.oracle(), x, order)
+        assert torch.allclose(ll, torch.full_like(ll, -torch.log(torch.tensor(float(n_sequences))).item()))

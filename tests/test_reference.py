@@ -35,11 +35,13 @@ def _inputs(kind: str, batch: int):
 
 
 def _assert_same(model, idx, **kwargs):
-    outs = []
+    outs, after = [], []
     for fn in (sigmafast.generate, naive.generate):
         g = torch.Generator().manual_seed(1234)
         outs.append(fn(model, idx, generator=g, return_stats=True, **kwargs))
+        after.append(torch.rand(1, generator=g))
     (fast, s_fast), (slow, s_slow) = outs
+    assert torch.equal(after[0], after[1])  # both consumed the same random stream
     assert torch.equal(fast, slow)
     assert torch.equal(s_fast.iterations, s_slow.iterations)
     assert torch.equal(s_fast.accepted, s_slow.accepted)
@@ -109,3 +111,50 @@ def test_all_known_canvas_matches_naive(model):
         out, stats = _assert_same(model, idx, known=known, strategy=strategy)
         assert torch.equal(out, idx)
         assert stats.iterations.tolist() == [0, 0] and stats.forward_calls == 0
+
+
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [
+    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("burst", "paper", 3, id="paper-O3"),
+    pytest.param("burst", "lossless", 1, id="lossless"),
+])
+def test_oracle_sampling_matches_naive(strategy, acceptance, num_orders):
+    from sigmafast.tasks import get_task
+
+    task = get_task("step", seq_len=12, run_length=4)
+    data = task.sample_batch(3, generator=torch.Generator().manual_seed(0))
+    known = (torch.arange(12) < 3).expand(3, 12)  # an expanded mask, as the trainer passes it
+    out, _ = _assert_same(task.oracle(), data, known=known, strategy=strategy, acceptance=acceptance,
+                          num_orders=num_orders)
+    assert task.evaluate(out)["valid"] == 1.0
+
+
+@pytest.mark.parametrize("length", [1, 2], ids=["T1", "T2"])
+@pytest.mark.parametrize("strategy,acceptance,num_orders,top_k", [
+    pytest.param("autoregressive", "paper", 1, None, id="autoregressive"),
+    pytest.param("burst", "paper", 3, 1, id="paper-O3-top1"),
+    pytest.param("burst", "lossless", 1, None, id="lossless"),
+])
+def test_tiny_canvases_match_naive(model, strategy, acceptance, num_orders, top_k, length):
+    out, stats = _assert_same(model, torch.zeros(2, 0, dtype=torch.long), max_new_tokens=length, strategy=strategy,
+                              acceptance=acceptance, num_orders=num_orders, top_k=top_k)
+    assert out.shape == (2, length)
+    assert (stats.accepted.sum(1) == length).all()
+
+
+@pytest.mark.parametrize("acceptance,num_orders", [("paper", 3), ("lossless", 1)])
+def test_dropping_finished_rows_matches_naive(model, monkeypatch, acceptance, num_orders):
+    """Rows with one unknown finish at the first iteration; the cached sampler then drops them."""
+    from sigmafast.engine import NeuralSession
+
+    selected = []
+    original = NeuralSession.select
+    monkeypatch.setattr(NeuralSession, "select", lambda self, rows: (selected.append(rows.tolist()),
+                                                                     original(self, rows)))
+    known = torch.ones(6, T, dtype=torch.bool)
+    known[:, 0] = False
+    known[[1, 4]] = False
+    idx = torch.randint(0, VOCAB, (6, T), generator=torch.Generator().manual_seed(3))
+    _, stats = _assert_same(model, idx, known=known, acceptance=acceptance, num_orders=num_orders)
+    assert selected and selected[0] == [1, 4]
+    assert stats.iterations.tolist()[0] == 1 and stats.iterations[1] > 1

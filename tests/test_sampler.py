@@ -204,3 +204,81 @@ def test_bad_input_is_rejected(model, kwargs, error, match, impl):
 def test_bad_model_is_rejected():
     with pytest.raises(TypeError, match="model"):
         sigmafast.generate(torch.nn.Linear(2, 2), torch.zeros(1, 0, dtype=torch.long), 2)
+
+
+def test_kv_cache_appends_ragged_rows_after_their_lengths():
+    from sigmafast.cache import KVCache
+
+    cache = KVCache(n_layer=2, batch_size=3, n_head=1, max_len=4, head_dim=2, dtype=torch.float64)
+    new = torch.arange(2 * 3 * 1 * 3 * 2, dtype=torch.float64).view(2, 3, 1, 3, 2)  # (n_layer, B, H, R, D)
+    cache.append(new, -new, torch.tensor([2, 0, 3]))
+    cache.append(new + 100, -new, torch.tensor([1, 3, 1]))
+    assert cache.lens.tolist() == [3, 3, 4]
+    k, v = cache.layer(1)
+    assert torch.equal(k[0, :, :3], torch.cat([new[1, 0, :, :2], new[1, 0, :, :1] + 100], 1))
+    assert torch.equal(k[1, :, :3], new[1, 1] + 100)
+    assert torch.equal(k[2, :, :4], torch.cat([new[1, 2], new[1, 2, :, :1] + 100], 1))
+    assert torch.equal(v[2, :, :3], -new[1, 2])
+
+
+def _sample_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
+    spec = importlib.util.spec_from_file_location("sample_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sample_script_parses_infill_templates():
+    from sigmafast.tasks import get_task
+
+    script = _sample_script()
+    step = get_task("step", seq_len=6, run_length=2)
+    tokens, known = script.parse_template("01__1", step, 6)
+    assert tokens.tolist() == [0, 1, 0, 0, 1, 0] and known.tolist() == [True, True, False, False, True, False]
+    tokens, known = script.parse_template("3 _ 4", get_task("permutation", seq_len=6), 6)
+    assert tokens[:3].tolist() == [3, 0, 4] and known.tolist() == [True, False, True, False, False, False]
+    with pytest.raises(ValueError, match="template"):
+        script.parse_template("0 x", step, 6)
+    with pytest.raises(ValueError, match="canvas length"):
+        script.parse_template("0101010", step, 6)
+
+
+SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "nonzero")
+
+
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [
+    ("autoregressive", "paper", 1), ("burst", "paper", 3), ("burst", "lossless", 1)])
+def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, strategy, acceptance, num_orders):
+    """Host reads of tensor values (syncs on a GPU) in the loop: one per burst iteration (the remaining
+    count, plus the final one that ends the loop), one in total for autoregressive sampling."""
+    from sigmafast import sampler
+    from sigmafast.request import prepare
+
+    idx = torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(0))
+    known = torch.rand(3, T, generator=torch.Generator().manual_seed(1)) < 0.3
+    req = prepare(model, idx, None, 1.0, None, known, strategy, "random", num_orders, acceptance,
+                  torch.Generator().manual_seed(2))
+    canvas, known_now = req.canvas.clone(), req.known.clone()
+    session = sampler.as_conditionals(model).prefill(canvas, known_now)
+    reads = []
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    run = sampler._autoregressive if strategy == "autoregressive" else sampler._burst
+    with torch.no_grad():
+        accepted, _, _ = run(session, req, canvas, known_now, None)
+    monkeypatch.undo()
+    expected = 1 if strategy == "autoregressive" else len(accepted) + 1
+    assert len(reads) == expected, reads
+    assert known_now.all()

@@ -12,7 +12,9 @@ import sigmafast.train as train_mod
 from sigmafast.checkpoint import atomic_save, read_checkpoint
 from sigmafast.model import SigmaGPT
 from sigmafast.tasks import get_task
-from sigmafast.train import TrainConfig, build_model_config, configure_optimizer, learning_rate, load_checkpoint, train
+from sigmafast.train import (
+    TrainConfig, build_model_config, configure_optimizer, learning_rate, load_checkpoint, train,
+)
 from sigmafast.train_config import resolve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,6 +190,11 @@ def test_paper_recipe(preset):
     assert resolve(TrainConfig(task="owt", preset=preset, grad_accum=4, lr=1e-4), 1024).lr == 1e-4
 
 
+def test_default_grad_accum_gives_every_rank_a_micro_step():
+    assert resolve(TrainConfig(), 12, world_size=1).grad_accum == 1
+    assert resolve(TrainConfig(), 12, world_size=4).grad_accum == 4
+
+
 def test_grad_accum_must_split_across_ranks():
     with pytest.raises(ValueError, match="grad_accum \\(3\\) must be divisible by the number of DDP ranks \\(2\\)"):
         resolve(TrainConfig(grad_accum=3), 12, world_size=2)
@@ -210,9 +217,12 @@ def test_grad_accum_must_split_across_ranks():
         (dict(lr=1e-3, min_lr=1e-2), ValueError, "min_lr"),
         (dict(dtype="float16"), ValueError, "TrainConfig.dtype"),
         (dict(device="tpu"), ValueError, "TrainConfig.device"),
+        (dict(device="cuda:x"), ValueError, "TrainConfig.device"),
+        (dict(pos_encoding="rope"), ValueError, "TrainConfig.pos_encoding"),
+        (dict(seq_len=0), ValueError, "TrainConfig.seq_len must be >= 1"),
     ],
     ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",
-         "curriculum", "min_lr", "dtype", "device"],
+         "curriculum", "min_lr", "dtype", "device", "cuda-index", "pos-encoding", "seq-len"],
 )
 def test_config_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -285,6 +295,22 @@ def test_script_flags_mirror_config(tmp_path):
     cfg = TrainConfig(**vars(args))
     assert (cfg.max_iters, cfg.bias, cfg.compile, cfg.order, cfg.curriculum_start) == (7, False, True, "fractal", 0.25)
     assert TrainConfig(**vars(parser.parse_args([]))) == TrainConfig()
+
+
+def test_script_sigint_saves_checkpoint_and_exits(tmp_path, monkeypatch, capsys):
+    real_get_batch = train_mod.get_batch
+
+    def get_batch_then_sigint(task, cfg, step, index, start_pos, device):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_get_batch(task, cfg, step, index, start_pos, device)
+
+    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_sigint)
+    handler_before = signal.getsignal(signal.SIGINT)
+    code = load_script().main(BASE_ARGV + ["--max-iters", "50", "--out-dir", str(tmp_path)])
+    assert code == 130 and signal.getsignal(signal.SIGINT) is handler_before
+    assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 2
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_script_trains_and_resumes(tmp_path, capsys):

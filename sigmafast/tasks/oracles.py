@@ -61,6 +61,9 @@ class OracleSession:
         self.canvas = canvas.clone()
         self.known = known.clone()
 
+    def select(self, rows: torch.Tensor) -> None:
+        self.canvas, self.known = self.canvas[rows], self.known[rows]
+
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         return self.oracle.logits(self.canvas, self.known, positions)
 
