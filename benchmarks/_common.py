@@ -109,7 +109,7 @@ def summarize(stats, n_generated: torch.Tensor) -> dict:
 
 def primary_metric(task, metrics: dict) -> tuple:
     """(name, value) of the task's headline validity figure, (None, None) when it has none."""
-    for name in ("valid", "optimal", "correct", "ones_rate"):
+    for name in ("valid", "correct", "ones_rate"):
         if name in metrics:
             return name, float(metrics[name])
     return None, None

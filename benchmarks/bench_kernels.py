@@ -10,7 +10,8 @@ copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=
   cache and the R own keys concatenated with a mask (a copy per call).
 * verify: O=5 orders of R=64 tokens over a shared L=4096 prefix; SDPA gets the
   prefix repeated per order (the traffic the Triton kernel avoids).
-* acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary.
+* acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary;
+  acceptance_from_hidden: the same from (B, O, R, 768) hidden states and the LM head.
 
 Skipped with a reason without CUDA.
 """
@@ -170,3 +171,29 @@ def test_sampling(benchmark, impl, op, copy_gbps):
     assert agree > 0.95, f"{impl} {op} agrees with the fp32 reference on only {agree:.1%} of rows"
     _run(benchmark, lambda: fn(*args), passes * q.numel() * q.element_size(), copy_gbps, impl=impl, op=op,
          rows=N, V=VOCAB, agreement_with_fp32_reference=agree, passes_over_logits=passes)
+
+
+@pytest.mark.parametrize("impl", ["fused", "matmul+triton", "matmul+reference"])
+def test_acceptance_from_hidden(benchmark, impl, copy_gbps):
+    """Stretch goal: the LM head fused into the acceptance log-sum-exp (no logits written)."""
+    from sigmafast.kernels.accept import acceptance, acceptance_from_hidden
+
+    B, O, R, C = 4, 5, 64, 768
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(B, O, R, C, device="cuda", generator=g).to(DTYPE)
+    weight = (torch.randn(VOCAB, C, device="cuda", generator=g) * 0.05).to(DTYPE)
+    drafts = torch.randint(0, VOCAB, (B, O, R), device="cuda", generator=g)
+    rest = (torch.full((B, O, R), -10.0, device="cuda"), torch.rand(B, O, R, device="cuda", generator=g),
+            torch.full((B,), R, device="cuda"))
+    fn = {
+        "fused": lambda: acceptance_from_hidden(hidden, weight, drafts, *rest),
+        "matmul+triton": lambda: acceptance(hidden @ weight.T, drafts, *rest),
+        "matmul+reference": lambda: ref.acceptance(hidden @ weight.T, drafts, *rest),
+    }[impl]
+    want = ref.log_probs(hidden.float() @ weight.float().T, 1.0, None).gather(-1, drafts[..., None]).squeeze(-1)
+    err = (fn().logq.float() - want).abs().max().item()
+    assert err < 0.1, f"{impl} log q is off before timing: {err:.2e}"
+    nbytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    flops = 2 * B * O * R * VOCAB * C
+    _run(benchmark, fn, nbytes, copy_gbps, impl=impl, op="acceptance_from_hidden", rows=B * O * R, C=C, V=VOCAB,
+         logq_abs_err=err, flops=flops, logits_bytes_avoided=B * O * R * VOCAB * hidden.element_size())

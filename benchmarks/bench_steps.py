@@ -33,6 +33,7 @@ REFERENCE = {
     "step": dict(paper_iterations=4.0, theory_iterations=3.0, paper_note="≈ 4 (paper); ≤ 3 (theory)",
                  sim_note="paper/5 orders ≲ 3.5; lossless ≲ 3.6"),
     "permutation": dict(paper_iterations=5.2, paper_iterations_std=0.6, sim_iterations=9.6,
+                        sim_lossless_iterations=12.3,
                         paper_note="lower bound 5.2 ± 0.6 (paper)",
                         sim_note="paper/5 orders ≈ 9.6; lossless ≈ 12.3"),
 }

@@ -1,20 +1,23 @@
 """Throughput: generated tokens per second, and FLOPs per sequence, per sampling strategy.
 
-One trained model (the tiny-shakespeare char model, ``_models.py``) generates
-``new_tokens`` after a prompt taken from the validation text (the whole
-``seq_len`` window unconditionally when ``new_tokens == seq_len``), with:
+Trained models from ``_models.py`` (the tiny-shakespeare char model, and the
+step model, whose sequences have real long-range structure even at CPU
+training budgets) generate ``new_tokens`` after a prompt taken from a
+validation sequence (the whole ``seq_len`` window unconditionally when
+``new_tokens == seq_len``), with:
 
 * ``autoregressive``: one token per model call with the KV cache (random order);
 * ``burst-paper-o5``: burst sampling, paper rule, 5 verification orders;
 * ``burst-lossless``: burst sampling, lossless rule (1 order);
 * ``reference-autoregressive``: the naive uncached reference
   (``sigmafast.reference.generate``), which recomputes the whole prefix for
-  every token (O(T²) work); only at batch 1. Its burst mode, which recomputes
-  every draft and every verification step separately, runs only under
-  ``SIGMAFAST_BENCH_FULL=1`` at the smallest size.
+  every token (O(T²) work); only at batch 1. Its burst mode
+  (``reference-burst-paper-o5``), which recomputes every draft and every
+  verification step from scratch, runs only on the step model (T=100).
 
-Defaults fit a 2-core CPU: 64 new tokens (after a 192-character prompt) at
-batch 1 and 16, and 256 tokens (unconditional) at batch 1.
+Defaults fit a 2-core CPU: char, 64 new tokens (after a 192-character
+prompt) at batch 1 and 16 and 256 tokens (unconditional) at batch 1; step,
+100 tokens at batch 1 and 16.
 ``SIGMAFAST_BENCH_FULL=1``: a ``gpt2``-size char model with 1024-token
 windows, 256 and 1024 new tokens, batch 1 and 16.
 
@@ -56,7 +59,10 @@ from _common import bench_full, device_info, summarize, synchronize
 from _models import get_model
 
 FULL = bench_full()
-SIZES = [(256, 1), (256, 16), (1024, 1), (1024, 16)] if FULL else [(64, 1), (64, 16), (256, 1)]
+SIZES = {  # model -> (new_tokens, batch)
+    "char": [(256, 1), (256, 16), (1024, 1), (1024, 16)] if FULL else [(64, 1), (64, 16), (256, 1)],
+    "step": [(100, 1), (100, 16)],
+}
 ROUNDS = 5 if FULL else 2
 STRATEGIES = {
     "autoregressive": dict(strategy="autoregressive"),
@@ -67,18 +73,20 @@ STRATEGIES = {
 }
 
 
-def _runs(name: str, new_tokens: int, batch: int) -> bool:
+def _runs(model: str, name: str, new_tokens: int, batch: int) -> bool:
     if not name.startswith("reference"):
         return True
     if batch != 1:
         return False
     if name == "reference-burst-paper-o5":
-        return FULL and new_tokens == SIZES[0][0]
+        return model == "step"  # 100 positions of a tiny model: affordable even uncached
     return True
 
 
-CASES = [(name, n, b) for n, b in SIZES for name in STRATEGIES if _runs(name, n, b)]
-CASE_IDS = [f"{name}-{n}tok-b{b}" for name, n, b in CASES]
+CASES = [
+    pytest.param(model, name, n, b, id=f"{model}-{name}-{n}tok-b{b}")
+    for model, sizes in SIZES.items() for n, b in sizes for name in STRATEGIES if _runs(model, name, n, b)
+]
 
 
 def _forward(dense: float, attn: float, rows: torch.Tensor, ctx_sum: torch.Tensor) -> torch.Tensor:
@@ -123,13 +131,14 @@ def flops_per_seq(config, name: str, T: int, n_known: int, stats) -> tuple[float
     return algorithmic, executed
 
 
-@pytest.mark.parametrize("name,new_tokens,batch", CASES, ids=CASE_IDS)
-def test_throughput(benchmark, request, name, new_tokens, batch, cache_dir, device):
-    bm = get_model("char", cache_dir, device, request.getfixturevalue("shakespeare"))
+@pytest.mark.parametrize("model_name,name,new_tokens,batch", CASES)
+def test_throughput(benchmark, request, model_name, name, new_tokens, batch, cache_dir, device):
+    text = request.getfixturevalue("shakespeare") if model_name == "char" else None
+    bm = get_model(model_name, cache_dir, device, text)
     model, task = bm.model, bm.task
     T = task.seq_len
     if new_tokens > T:
-        pytest.skip(f"the char model has seq_len {T} < {new_tokens} new tokens")
+        pytest.skip(f"the {model_name} model has seq_len {T} < {new_tokens} new tokens")
     spec = dict(STRATEGIES[name])
     sampler = sigmafast.reference.generate if spec.pop("reference", False) else sigmafast.generate
     window = task.sample_batch(batch, "val", torch.Generator().manual_seed(0)).to(device)  # (B, T)
@@ -160,7 +169,7 @@ def test_throughput(benchmark, request, name, new_tokens, batch, cache_dir, devi
     n_known = prompt.shape[1]
     algorithmic, executed = flops_per_seq(model.config, name, T, n_known, stats)
     benchmark.extra_info.update(
-        kind="throughput", model="char", strategy=spec["strategy"] if sampler is sigmafast.generate else
+        kind="throughput", model=model_name, strategy=spec["strategy"] if sampler is sigmafast.generate else
         f"reference-{spec['strategy']}", acceptance=spec.get("acceptance"), num_orders=spec.get("num_orders", 1),
         new_tokens=new_tokens, prompt_tokens=n_known, batch_size=batch, seq_len=T, rounds=ROUNDS,
         seconds_median=wall, tokens_per_s=batch * new_tokens / wall, flops_per_seq=algorithmic,

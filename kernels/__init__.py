@@ -8,7 +8,8 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``burst_attn``, ``verify_attn``, ``accept``,
 ``sampling``; the module names differ from the functions' so that importing a
-module never rebinds a public name of this package). The functions below pick
+module never rebinds a public name of this package). ``acceptance_from_hidden``
+is an extra: acceptance straight from hidden states and the LM-head weight. The functions below pick
 one per call:
 
 * an explicit choice wins: ``use_backend(name)`` (innermost), else the
@@ -61,7 +62,8 @@ def backend_for(t: torch.Tensor) -> str:
     """The backend ("triton" or "reference") a call on tensor ``t`` takes now."""
     name = _override.get()
     if name is None:
-        name = _check_backend(os.environ.get("SIGMAFAST_BACKEND", "auto").strip().lower() or "auto", "SIGMAFAST_BACKEND")
+        env = os.environ.get("SIGMAFAST_BACKEND", "auto").strip().lower() or "auto"
+        name = _check_backend(env, "SIGMAFAST_BACKEND")
     if name == "auto":
         if t.dtype not in _TRITON_DTYPES:
             return "reference"
@@ -105,6 +107,17 @@ def acceptance(
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
+def acceptance_from_hidden(
+    hidden, weight, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper"
+) -> Acceptance:
+    """:func:`acceptance` of the logits ``hidden @ weight.T`` ((B, O, R, C) and (V, C)); the Triton
+    kernel never writes the logits."""
+    if backend_for(hidden) == "triton":
+        fn = _triton("accept", "acceptance_from_hidden")
+        return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    return reference.acceptance(hidden @ weight.T, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+
+
 def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference."""
     if backend_for(logits) == "triton":
@@ -123,6 +136,7 @@ __all__ = [
     "Acceptance",
     "BACKENDS",
     "acceptance",
+    "acceptance_from_hidden",
     "backend_for",
     "burst_attention",
     "residual_sample",

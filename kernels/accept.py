@@ -7,6 +7,11 @@ written; the probabilities are never materialised. Top-k uses the k-th largest
 logit per row from ``torch.topk`` (an (N, k) temporary) as a threshold. The
 accept/reject decisions are a handful of (B, O, R) torch ops, the same as the
 reference's, so they agree with it exactly for the same log q.
+
+:func:`acceptance_from_hidden` (the issue's stretch goal) takes the final hidden
+states and the LM-head weight instead, and computes each logit tile with a
+tl.dot inside the same online log-sum-exp, so the (B·O·R, V) logits are never
+written.
 """
 
 from __future__ import annotations
@@ -67,14 +72,17 @@ def _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, ru
     check_float("logits", logits, 4)
     B, O, R, V = logits.shape
     if not isinstance(drafts, torch.Tensor) or drafts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"drafts must be an int64 tensor of shape {(B, O, R)}, got {getattr(drafts, 'dtype', type(drafts))}")
+        got = getattr(drafts, "dtype", type(drafts))
+        raise ValueError(f"drafts must be an int64 tensor of shape {(B, O, R)}, got {got}")
     for name, t in (("drafts", drafts), ("draft_logp", draft_logp), ("uniforms", uniforms)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, O, R) or t.device != logits.device:
-            raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {logits.device}, got {getattr(t, 'shape', t)!r:.80}")
+            got = getattr(t, "shape", t)
+            raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {logits.device}, got {got!r:.80}")
     if not draft_logp.is_floating_point() or not uniforms.is_floating_point():
         raise ValueError(f"draft_logp and uniforms must be float tensors, got {draft_logp.dtype} and {uniforms.dtype}")
     if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,) or lengths.is_floating_point():
-        raise ValueError(f"lengths must be an int tensor of shape ({B},), got {getattr(lengths, 'shape', lengths)!r:.80}")
+        got = getattr(lengths, "shape", lengths)
+        raise ValueError(f"lengths must be an int tensor of shape ({B},), got {got!r:.80}")
     if not float(temperature) >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
@@ -125,15 +133,22 @@ def acceptance(
         rows = rows.contiguous()
     flat_drafts = drafts.reshape(-1).contiguous()
     if B * O * R == 0:
-        logq = torch.zeros(drafts.shape, dtype=logits.dtype, device=logits.device)
-        ok = torch.zeros(drafts.shape, dtype=torch.bool, device=logits.device)
-    elif temperature == 0:
-        logq = torch.zeros(drafts.shape, dtype=logits.dtype, device=logits.device)
-        ok = draft_logq(rows, flat_drafts, 0, None, block_v).view(B, O, R) == drafts
+        res = torch.zeros(0, dtype=torch.int64 if temperature == 0 else torch.float32, device=logits.device)
     else:
-        logq = draft_logq(rows, flat_drafts, temperature, top_k, block_v).view(B, O, R).to(logits.dtype)
+        res = draft_logq(rows, flat_drafts, temperature, None if temperature == 0 else top_k, block_v)
+    return _decide(res.view(B, O, R), logits.dtype, drafts, draft_logp, uniforms, lengths, temperature, rule)
+
+
+def _decide(res, dtype, drafts, draft_logp, uniforms, lengths, temperature, rule) -> Acceptance:
+    """The reference's decisions from the kernel's (B, O, R) log q (or argmax when greedy)."""
+    R = drafts.shape[-1]
+    if temperature == 0:
+        logq = torch.zeros(drafts.shape, dtype=dtype, device=drafts.device)
+        ok = res == drafts
+    else:
+        logq = res.to(dtype)
         ok = uniforms.to(logq.dtype) < torch.exp(logq - draft_logp.to(logq.dtype))
-    steps = torch.arange(R, device=logits.device)
+    steps = torch.arange(R, device=drafts.device)
     if rule == "paper":
         ok = ok | (steps == 0)
     valid = steps[None, None, :] < lengths[:, None, None]  # (B, 1, R)
@@ -141,3 +156,100 @@ def acceptance(
     n_accept = prefix.sum(-1)  # (B, O)
     best = n_accept.argmax(-1)
     return Acceptance(logq, ok, n_accept, best, n_accept.clone())
+
+
+@triton.jit
+def _lm_head_logq_kernel(
+    HID, W, DRAFT, LOGQ, ARGMAX,
+    s_h, s_w, N, V, C, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    GREEDY: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """log q of the drafts (or the argmax) with the logits computed tile by tile, never stored."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    o_b = tl.arange(0, BLOCK_V)
+    o_c = tl.arange(0, BLOCK_C)
+    d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
+    b_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    b_s = tl.zeros([BLOCK_N], tl.float32)
+    b_xd = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    b_arg = tl.zeros([BLOCK_N], tl.int32)
+    for start in range(0, V, BLOCK_V):
+        o_v = start + o_b
+        m_v = o_v < V
+        o_v64 = o_v.to(tl.int64)
+        b_x = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            o_cc = c0 + o_c
+            m_c = o_cc < C
+            b_h = tl.load(HID + o_n64[:, None] * s_h + o_cc[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)
+            b_wt = tl.load(W + o_v64[None, :] * s_w + o_cc[:, None], mask=m_v[None, :] & m_c[:, None], other=0.0)
+            b_x = tl.dot(b_h, b_wt, b_x, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_V) logits
+        b_x = tl.where(m_v[None, :], b_x, float("-inf"))
+        if GREEDY:
+            c_max = tl.max(b_x, 1)
+            c_arg = tl.min(tl.where(b_x == c_max[:, None], o_v[None, :], V), 1)
+            b_arg = tl.where(c_max > b_m, c_arg, b_arg)
+            b_m = tl.maximum(b_m, c_max)
+        else:
+            b_x = tl.math.div_rn(b_x, temperature)
+            b_m, b_s = online_lse(b_m, b_s, b_x)
+            b_xd = tl.maximum(b_xd, tl.max(tl.where(o_v[None, :] == d[:, None], b_x, float("-inf")), 1))
+    if GREEDY:
+        tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
+    else:
+        b_m = tl.where(m_n, b_m, 0.0)
+        b_s = tl.where(m_n, b_s, 1.0)
+        tl.store(LOGQ + o_n64, b_xd - b_m - tl.log(b_s), mask=m_n)
+
+
+def acceptance_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_logp: torch.Tensor,
+    uniforms: torch.Tensor,
+    lengths: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    rule: str = "paper",
+) -> Acceptance:
+    """:func:`acceptance` of the logits ``hidden @ weight.T``, without writing them.
+
+    hidden: (B, O, R, C) final hidden states (after the last layer norm);
+    weight: (V, C) LM-head weight (no bias), same dtype. The (B·O·R, V)
+    logits live only tile by tile in the kernel (the cut-cross-entropy idea).
+    top-k needs the k-th largest logit of each row, so with ``top_k`` the
+    logits are materialised and :func:`acceptance` is used instead.
+    """
+    check_float("hidden", hidden, 4)
+    check_float("weight", weight, 2)
+    if weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
+        raise ValueError(
+            f"weight must be (V, C={hidden.shape[-1]}) {hidden.dtype} on {hidden.device}, "
+            f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+        )
+    B, O, R, C = hidden.shape
+    V = weight.shape[0]
+    if top_k is not None and top_k < V:
+        return acceptance(hidden @ weight.T, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    _check(hidden.new_empty(B, O, R, 1).expand(B, O, R, V), drafts, draft_logp, uniforms, lengths, temperature,
+           top_k, rule)
+    N = B * O * R
+    rows = hidden.reshape(N, C).contiguous()
+    w = weight.contiguous()
+    greedy = temperature == 0
+    res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=hidden.device)
+    if N > 0:
+        block_n = min(64, max(16, triton.next_power_of_2(N)))
+        block_c = min(64, max(16, triton.next_power_of_2(C)))
+        _lm_head_logq_kernel[(triton.cdiv(N, block_n),)](
+            rows, w, drafts.reshape(-1).contiguous(), res, res,
+            rows.stride(0), w.stride(0), N, V, C, float(temperature) if not greedy else 1.0,
+            BLOCK_N=block_n, BLOCK_V=128, BLOCK_C=block_c, GREEDY=greedy,
+            DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
+            num_warps=8, num_stages=3,
+        )
+    return _decide(res.view(B, O, R), hidden.dtype, drafts, draft_logp, uniforms, lengths, temperature, rule)

@@ -25,7 +25,9 @@ def _check(q, k, v, k_cache, v_cache, cache_lens) -> None:
     check_same("v_cache", v_cache, "k_cache", k_cache)
     B, H, R, D = q.shape
     if k_cache.dtype != q.dtype or k_cache.device != q.device:
-        raise ValueError(f"k_cache must match q's dtype/device ({q.dtype}, {q.device}), got {k_cache.dtype}, {k_cache.device}")
+        raise ValueError(
+            f"k_cache must match q's dtype/device ({q.dtype}, {q.device}), got {k_cache.dtype}, {k_cache.device}"
+        )
     if (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) != (B, H, D):
         raise ValueError(f"k_cache must have shape (B={B}, H={H}, L, D={D}), got {tuple(k_cache.shape)}")
     if D > MAX_HEAD_DIM:

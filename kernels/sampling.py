@@ -108,7 +108,8 @@ def _check_args(logits, uniforms, temperature, top_k, name="logits") -> None:
         raise ValueError(f"uniforms must be a float tensor of shape ({logits.shape[0]},), got {uniforms!r:.60}")
     if tuple(uniforms.shape) != (logits.shape[0],) or uniforms.device != logits.device:
         raise ValueError(
-            f"uniforms must have shape ({logits.shape[0]},) on {logits.device}, got {tuple(uniforms.shape)} on {uniforms.device}"
+            f"uniforms must have shape ({logits.shape[0]},) on {logits.device}, "
+            f"got {tuple(uniforms.shape)} on {uniforms.device}"
         )
     if not float(temperature) >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")

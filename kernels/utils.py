@@ -51,7 +51,9 @@ def check_int(name: str, t: torch.Tensor, shape: tuple, device: torch.device) ->
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must be an int32/int64 tensor of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be an int32/int64 tensor of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
+        )
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
@@ -118,8 +120,8 @@ def _cascade_attn_kernel(
     m_row = o_m < M
     m_d = o_d < D
     o_m64 = o_m.to(tl.int64)
-    row_g = o_m64 // SEG
-    row_s = o_m64 % SEG
+    row_g = (o_m // SEG).to(tl.int64)  # segment (order) and position in it; int32 division
+    row_s = (o_m % SEG).to(tl.int64)
 
     p_q = Q + i_b * s_qb + i_h * s_qh + row_g[:, None] * s_qg + row_s[:, None] * s_qs + o_d[None, :] * s_qd
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
@@ -159,8 +161,8 @@ def _cascade_attn_kernel(
         o_t = start + o_n
         m_t = o_t < seg_hi
         o_t64 = o_t.to(tl.int64)
-        col_g = o_t64 // SEG
-        col_s = o_t64 % SEG
+        col_g = (o_t // SEG).to(tl.int64)
+        col_s = (o_t % SEG).to(tl.int64)
         p_k = K + i_b * s_kb + i_h * s_kh + col_g[None, :] * s_kg + col_s[None, :] * s_ks + o_d[:, None] * s_kd
         p_v = V + i_b * s_vb + i_h * s_vh + col_g[:, None] * s_vg + col_s[:, None] * s_vs + o_d[None, :] * s_vd
         b_kt = tl.load(p_k, mask=m_t[None, :] & m_d[:, None], other=0.0)
@@ -220,8 +222,8 @@ def _combine_kernel(
         b_l = b_l * alpha + b_w
         b_m = m_new
     b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
-    row_g = o_m64 // SEG
-    row_s = o_m64 % SEG
+    row_g = (o_m // SEG).to(tl.int64)
+    row_s = (o_m % SEG).to(tl.int64)
     p_o = O + i_b * s_ob + i_h * s_oh + row_g[:, None] * s_og + row_s[:, None] * s_os + o_d[None, :] * s_od
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & (o_d[None, :] < D))
 

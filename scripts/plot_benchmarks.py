@@ -144,6 +144,8 @@ def _vlines(ax, e: dict) -> None:
             ax.axvspan(lo, hi, color="tab:red", alpha=0.1)
     if e.get("sim_iterations") is not None:
         ax.axvline(e["sim_iterations"], color="tab:purple", ls="-.", lw=1, label="simulation (5 orders)")
+    if e.get("sim_lossless_iterations") is not None:
+        ax.axvline(e["sim_lossless_iterations"], color="tab:orange", ls="-.", lw=1, label="simulation (lossless)")
 
 
 def _steps_panel(ax, entries: list[dict], title: str) -> None:
@@ -215,8 +217,9 @@ def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
         for i, label in enumerate(labels):
             vals = []
             for g in groups:
-                match = [e for e in tp if (e["model"], e["new_tokens"], e["batch_size"]) == g and rule_label(e) == label]
-                vals.append(match[0]["tokens_per_s"] if match else 0.0)
+                match = [e["tokens_per_s"] for e in tp
+                         if (e["model"], e["new_tokens"], e["batch_size"]) == g and rule_label(e) == label]
+                vals.append(match[0] if match else 0.0)
             ax.bar([j + i * width for j in range(len(groups))], vals, width, label=label)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
         ax.set_xticklabels([f"{m}\n{n} tok, batch {b}" for m, n, b in groups], fontsize=8)

@@ -40,6 +40,8 @@ TRAIN_PRESETS: dict[str, dict] = {
     "gpt2-medium": _PAPER,
 }
 
+PAPER_TASKS = ("owt", "wikitext103")
+
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding")
 
 
@@ -55,7 +57,10 @@ _PRESET = " (default: the preset's)"
 @dataclass
 class TrainConfig:
     task: str = _field("permutation", "task", TASK_NAMES)
-    preset: str = _field("tiny", "model preset (architecture, and the training recipe)", tuple(PRESETS))
+    preset: Optional[str] = _field(
+        None, "model preset: architecture and training recipe (default: gpt2 for owt/wikitext103, else tiny)",
+        tuple(PRESETS),
+    )
     n_layer: Optional[int] = _field(None, "layers" + _PRESET)
     n_head: Optional[int] = _field(None, "attention heads" + _PRESET)
     n_embd: Optional[int] = _field(None, "model width" + _PRESET)
@@ -95,6 +100,8 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         _check_choice("task", self.task, TASK_NAMES)
+        if self.preset is None:
+            self.preset = default_preset(self.task)
         _check_choice("preset", self.preset, tuple(PRESETS))
         _check_choice("order", self.order, ORDER_NAMES)
         _check_choice("dtype", self.dtype, DTYPES)
@@ -142,6 +149,11 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig fields: {sorted(unknown)}")
         return cls(**d)
+
+
+def default_preset(task: str) -> str:
+    """The paper's GPT-2 124M for the web-text tasks, a CPU-sized model otherwise."""
+    return "gpt2" if task in PAPER_TASKS else "tiny"
 
 
 def _check_type(name: str, value, annotation) -> None:

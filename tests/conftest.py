@@ -4,9 +4,16 @@
 Triton kernels run in the interpreter on CPU. The default kernel backend of
 the session stays the PyTorch reference; kernel tests call the Triton ops
 directly or inside ``sigmafast.kernels.use_backend("triton")``.
+
+The tests use tiny tensors, for which PyTorch's intra-op thread pool costs more
+than it saves on a small shared CPU, so the session runs single-threaded.
 """
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SIGMAFAST_BACKEND", "reference")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

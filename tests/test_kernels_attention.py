@@ -111,6 +111,20 @@ def test_strided_inputs_and_scale():
     assert _rel_err(out, ref.verify_attention(qo, ko, vo, kc, vc, lens, scale=0.3)) <= 1e-4
 
 
+def test_fp16_inputs():
+    """The 16-bit path (P cast to fp16 for the P·V dot) in the interpreter, against the fp32
+    reference on the same rounded inputs. (The interpreter's bf16 tl.dot is not usable: bf16
+    runs only in the GPU tests.)"""
+    B, H, R, D, O = 2, 2, 20, 64, 3
+    q, k, v, kc, vc, lens = _inputs((B, O, H, R, D), B, H, D, "ragged", seed=9, dtype=torch.float16)
+    f32 = [t.float() for t in (q, k, v, kc, vc)]
+    out = verify_attention(q, k, v, kc, vc, lens, num_splits=2)
+    assert out.dtype == torch.float16 and _rel_err(out, ref.verify_attention(*f32, lens)) <= 2e-3
+    out = burst_attention(q[:, 0], k[:, 0], v[:, 0], kc, vc, lens)
+    want = ref.burst_attention(f32[0][:, 0], f32[1][:, 0], f32[2][:, 0], f32[3], f32[4], lens)
+    assert _rel_err(out, want) <= 2e-3
+
+
 def _good(B=1, H=2, R=3, D=16, L=8):
     return [torch.randn(B, H, R, D) for _ in range(3)] + [torch.randn(B, H, L, D) for _ in range(2)] + [
         torch.full((B,), 4)

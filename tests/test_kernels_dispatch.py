@@ -62,6 +62,14 @@ def test_public_functions_dispatch_to_triton(monkeypatch):
     with kernels.use_backend("triton"):
         out = kernels.burst_attention(q, q, q, q, q, torch.tensor([2]))
     torch.testing.assert_close(out, ref.burst_attention(q, q, q, q, q, torch.tensor([2])))
+    hidden, weight = torch.randn(1, 2, 3, 16, generator=g), torch.randn(9, 16, generator=g)
+    args = (torch.zeros(1, 2, 3, dtype=torch.long), torch.full((1, 2, 3), -2.0), torch.rand(1, 2, 3, generator=g),
+            torch.tensor([3]))
+    with kernels.use_backend("triton"):
+        got = kernels.acceptance_from_hidden(hidden, weight, *args)
+    want = kernels.acceptance_from_hidden(hidden, weight, *args)  # reference backend
+    torch.testing.assert_close(got.logq, want.logq, rtol=0, atol=1e-5)
+    assert torch.equal(got.n_accept, want.n_accept)
 
 
 def _tiny_fp32_model(seed: int = 0) -> SigmaGPT:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sigmafast.kernels import reference as ref
-from sigmafast.kernels.accept import acceptance
+from sigmafast.kernels.accept import acceptance, acceptance_from_hidden
 from sigmafast.kernels.sampling import residual_sample, sample
 
 
@@ -128,7 +128,9 @@ ACCEPT_CASES = [
 
 @pytest.mark.parametrize("rule", ["paper", "lossless"])
 @pytest.mark.parametrize(
-    "case", ACCEPT_CASES, ids=lambda c: f"B{c[0]}-O{c[1]}-R{c[2]}-V{c[3]}-T{c[4]}-k{c[5]}" + ("-chunk64" if c[6] else "")
+    "case",
+    ACCEPT_CASES,
+    ids=lambda c: f"B{c[0]}-O{c[1]}-R{c[2]}-V{c[3]}-T{c[4]}-k{c[5]}" + ("-chunk64" if c[6] else ""),
 )
 def test_acceptance_matches_reference(case, rule):
     B, O, R, V, T, k, bv = case
@@ -161,6 +163,39 @@ def test_acceptance_matches_reference(case, rule):
 
 
 @pytest.mark.parametrize(
+    "temperature, top_k, rule",
+    [(1.0, None, "paper"), (0.7, None, "lossless"), (0.0, None, "paper"), (1.0, 5, "paper")],
+    ids=["T1", "T0.7-lossless", "greedy", "topk-fallback"],
+)
+def test_acceptance_from_hidden(temperature, top_k, rule):
+    """Fused LM head: log q and decisions as acceptance() on the materialised logits."""
+    g = torch.Generator().manual_seed(7)
+    B, O, R, C, V = 2, 3, 7, 40, 300
+    hidden = torch.randn(B, O, R, C, generator=g)
+    weight = torch.randn(V, C, generator=g) * 0.3
+    logits = hidden @ weight.T
+    if temperature == 0:
+        drafts = logits.argmax(-1)
+        drafts[0, 0, 3] = (drafts[0, 0, 3] + 1) % V
+        draft_logp = torch.zeros(B, O, R)
+    else:
+        lp = ref.log_probs(logits + torch.randn(B, O, R, V, generator=g), temperature, top_k)
+        drafts = ref.inverse_cdf(lp.exp().flatten(0, 2), torch.rand(B * O * R, generator=g)).view(B, O, R)
+        draft_logp = lp.gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand(B, O, R, generator=g)
+    lengths = torch.tensor([R, 2])
+    got = acceptance_from_hidden(hidden, weight, drafts, draft_logp, u, lengths, temperature, top_k, rule)
+    want = ref.acceptance(logits, drafts, draft_logp, u, lengths, temperature, top_k, rule)
+    if temperature > 0:
+        exact = ref.log_probs(logits, temperature, top_k).gather(-1, drafts[..., None]).squeeze(-1)
+        torch.testing.assert_close(got.logq, exact, rtol=0, atol=1e-5)
+    for name in ("accept", "n_accept", "best", "first_reject"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with pytest.raises(ValueError, match="weight must be"):
+        acceptance_from_hidden(hidden, weight[:, :8], drafts, draft_logp, u, lengths, temperature, top_k, rule)
+
+
+@pytest.mark.parametrize(
     "call, match",
     [
         (lambda x, u: sample(x, u, -1.0), "temperature must be >= 0"),
@@ -179,7 +214,9 @@ def test_acceptance_matches_reference(case, rule):
             r"drafts must be a tensor of shape \(1, 1, 4\)",
         ),
     ],
-    ids=["neg-temperature", "top-k-0", "rank", "uniforms-shape", "int-logits", "residual-shape", "rule", "drafts-shape"],
+    ids=[
+        "neg-temperature", "top-k-0", "rank", "uniforms-shape", "int-logits", "residual-shape", "rule", "drafts-shape",
+    ],
 )
 def test_bad_input(call, match):
     x, u = torch.randn(4, 10), torch.rand(4)
