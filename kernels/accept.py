@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import RULES, Acceptance
+from .reference import RULES, Acceptance, decide
 from .utils import check_float, kth_largest, load_logits, online_lse, rows_per_program
 
 
@@ -136,26 +136,8 @@ def acceptance(
         res = torch.zeros(0, dtype=torch.int64 if temperature == 0 else torch.float32, device=logits.device)
     else:
         res = draft_logq(rows, flat_drafts, temperature, None if temperature == 0 else top_k, block_v)
-    return _decide(res.view(B, O, R), logits.dtype, drafts, draft_logp, uniforms, lengths, temperature, rule)
-
-
-def _decide(res, dtype, drafts, draft_logp, uniforms, lengths, temperature, rule) -> Acceptance:
-    """The reference's decisions from the kernel's (B, O, R) log q (or argmax when greedy)."""
-    R = drafts.shape[-1]
-    if temperature == 0:
-        logq = torch.zeros(drafts.shape, dtype=dtype, device=drafts.device)
-        ok = res == drafts
-    else:
-        logq = res.to(dtype)
-        ok = uniforms.to(logq.dtype) < torch.exp(logq - draft_logp.to(logq.dtype))
-    steps = torch.arange(R, device=drafts.device)
-    if rule == "paper":
-        ok = ok | (steps == 0)
-    valid = steps[None, None, :] < lengths[:, None, None]  # (B, 1, R)
-    prefix = (ok & valid).long().cumprod(-1)
-    n_accept = prefix.sum(-1)  # (B, O)
-    best = n_accept.argmax(-1)
-    return Acceptance(logq, ok, n_accept, best, n_accept.clone())
+    scores = res.view(B, O, R) if temperature == 0 else res.view(B, O, R).to(logits.dtype)
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
 
 
 @triton.jit
@@ -252,4 +234,5 @@ def acceptance_from_hidden(
             DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
             num_warps=8, num_stages=3,
         )
-    return _decide(res.view(B, O, R), hidden.dtype, drafts, draft_logp, uniforms, lengths, temperature, rule)
+    scores = res.view(B, O, R) if temperature == 0 else res.view(B, O, R).to(hidden.dtype)
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)

@@ -14,25 +14,7 @@ from typing import Optional
 
 import torch
 
-from .utils import MAX_HEAD_DIM, cascade_attention, check_float, check_int, check_same
-
-
-def _check(q, k, v, k_cache, v_cache, cache_lens) -> None:
-    check_float("q", q, 4)
-    check_same("k", k, "q", q)
-    check_same("v", v, "q", q)
-    check_float("k_cache", k_cache, 4)
-    check_same("v_cache", v_cache, "k_cache", k_cache)
-    B, H, R, D = q.shape
-    if k_cache.dtype != q.dtype or k_cache.device != q.device:
-        raise ValueError(
-            f"k_cache must match q's dtype/device ({q.dtype}, {q.device}), got {k_cache.dtype}, {k_cache.device}"
-        )
-    if (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) != (B, H, D):
-        raise ValueError(f"k_cache must have shape (B={B}, H={H}, L, D={D}), got {tuple(k_cache.shape)}")
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"head dim D={D} is over the supported maximum {MAX_HEAD_DIM}")
-    check_int("cache_lens", cache_lens, (B,), q.device)
+from .utils import cascade_attention, check_attention_inputs, check_same
 
 
 def burst_attention(
@@ -55,7 +37,7 @@ def burst_attention(
     dtype, written into ``out`` when given. ``num_splits`` forces the number of
     KV splits (default: enough to fill the device).
     """
-    _check(q, k, v, k_cache, v_cache, cache_lens)
+    check_attention_inputs(q, k, v, k_cache, v_cache, cache_lens, 4)
     if out is None:
         out = torch.empty_like(q)
     else:

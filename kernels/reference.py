@@ -143,19 +143,32 @@ def acceptance(
     """
     if rule not in RULES:
         raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
-    B, O, R, V = logits.shape
     if temperature == 0:
-        logq = torch.zeros(drafts.shape, dtype=logits.dtype, device=logits.device)
-        ok = logits.argmax(-1) == drafts
+        scores = logits.argmax(-1)
     else:
-        logq = log_probs(logits, temperature, top_k).gather(-1, drafts[..., None]).squeeze(-1)
+        scores = log_probs(logits, temperature, top_k).gather(-1, drafts[..., None]).squeeze(-1)
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+
+
+def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule="paper") -> Acceptance:
+    """The accept/reject decisions from per-draft scores (B, O, R).
+
+    ``scores`` is log q of each draft, or the verifier's argmax token when
+    ``temperature == 0``. Shared by the reference and the Triton kernels, so
+    that both decide identically from the same scores.
+    """
+    R = drafts.shape[-1]
+    if temperature == 0:
+        logq = torch.zeros(drafts.shape, dtype=draft_logp.dtype, device=drafts.device)
+        ok = scores == drafts
+    else:
+        logq = scores
         ok = uniforms.to(logq.dtype) < torch.exp(logq - draft_logp.to(logq.dtype))
-    steps = torch.arange(R, device=logits.device)
+    steps = torch.arange(R, device=drafts.device)
     if rule == "paper":
         ok = ok | (steps == 0)
     valid = steps[None, None, :] < lengths[:, None, None]  # (B, 1, R)
     prefix = (ok & valid).long().cumprod(-1)
     n_accept = prefix.sum(-1)  # (B, O)
     best = n_accept.argmax(-1)
-    first_reject = n_accept.clone()
-    return Acceptance(logq, ok, n_accept, best, first_reject)
+    return Acceptance(logq, ok, n_accept, best, n_accept.clone())

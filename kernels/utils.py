@@ -58,6 +58,25 @@ def check_int(name: str, t: torch.Tensor, shape: tuple, device: torch.device) ->
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def check_attention_inputs(q, k, v, k_cache, v_cache, cache_lens, ndim: int) -> None:
+    """Validate q, k, v (..., H, R, D) of rank ``ndim`` against caches (B, H, L, D) and lens (B,)."""
+    check_float("q", q, ndim)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+    check_float("k_cache", k_cache, 4)
+    check_same("v_cache", v_cache, "k_cache", k_cache)
+    B, H, D = q.shape[0], q.shape[-3], q.shape[-1]
+    if k_cache.dtype != q.dtype or k_cache.device != q.device:
+        raise ValueError(
+            f"k_cache must match q's dtype/device ({q.dtype}, {q.device}), got {k_cache.dtype}, {k_cache.device}"
+        )
+    if (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) != (B, H, D):
+        raise ValueError(f"k_cache must have shape (B={B}, H={H}, L, D={D}), got {tuple(k_cache.shape)}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={D} is over the supported maximum {MAX_HEAD_DIM}")
+    check_int("cache_lens", cache_lens, (B,), q.device)
+
+
 def kth_largest(logits: torch.Tensor, top_k: Optional[int]) -> Optional[torch.Tensor]:
     """(N,) float32 k-th largest logit per row of (N, V) logits, None when top-k keeps all."""
     if top_k is None or top_k >= logits.shape[-1]:

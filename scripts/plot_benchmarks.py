@@ -47,11 +47,13 @@ def fmt(x, digits: int = 2) -> str:
 
 
 def rule_label(e: dict) -> str:
-    if e["strategy"] == "autoregressive":
-        return "autoregressive"
-    if e["strategy"].startswith("reference"):
-        return e["strategy"]
-    return f"burst {e['acceptance']}" + (f", {e['num_orders']} orders" if e["acceptance"] == "paper" else "")
+    strategy, prefix = e["strategy"], ""
+    if strategy.startswith("reference-"):
+        strategy, prefix = strategy[len("reference-"):], "naive reference, "
+    if strategy == "autoregressive":
+        return prefix + "autoregressive"
+    orders = f", {e['num_orders']} orders" if e["acceptance"] == "paper" else ""
+    return f"{prefix}burst {e['acceptance']}{orders}"
 
 
 def table(header: list[str], rows: list[list]) -> str:
