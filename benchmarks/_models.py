@@ -18,7 +18,6 @@ drafts are accepted almost wholesale.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -110,19 +109,26 @@ def _write_json(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-_LOADED: dict[tuple, BenchModel] = {}
+class ModelCache:
+    """Trained benchmark models under ``root``, each loaded at most once per session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._loaded: dict[tuple, BenchModel] = {}
+
+    def get(self, name: str, device: torch.device, text: Optional[Path] = None) -> BenchModel:
+        """The trained benchmark model ``name``: from the cache, or trained now (then cached)."""
+        s = spec(name)
+        out_dir = self.root / f"{name}-{_key(s.train_kwargs(Path('.'), text), text)}"
+        memo = (str(out_dir), str(device))
+        if memo not in self._loaded:
+            self._loaded[memo] = _load_or_train(s, out_dir, device, text)
+        return self._loaded[memo]
 
 
-def get_model(name: str, cache_dir: Path, device: torch.device, text: Optional[Path] = None) -> BenchModel:
-    """The trained benchmark model ``name``: from the cache, or trained now (then cached)."""
+def _load_or_train(s: ModelSpec, out_dir: Path, device: torch.device, text: Optional[Path]) -> BenchModel:
     from sigmafast.train import TrainConfig, load_checkpoint, train
 
-    s = spec(name)
-    probe = s.train_kwargs(Path("."), text)
-    out_dir = Path(cache_dir) / f"{name}-{_key(probe, text)}"
-    memo = (str(out_dir), str(device))
-    if memo in _LOADED:
-        return _LOADED[memo]
     kwargs = s.train_kwargs(out_dir, text)
     done = out_dir / "done.json"
     if not done.is_file():
@@ -130,20 +136,14 @@ def get_model(name: str, cache_dir: Path, device: torch.device, text: Optional[P
         t0 = time.perf_counter()
         result = train(TrainConfig(**kwargs))
         if result.interrupted:
-            raise RuntimeError(f"training of benchmark model {name!r} was interrupted; rerun to resume it")
+            raise RuntimeError(f"training of benchmark model {s.name!r} was interrupted; rerun to resume it")
         last = result.history[-1] if result.history else {}
         _write_json({
-            "name": name, "train_seconds": time.perf_counter() - t0, "resumed": kwargs["resume"],
+            "name": s.name, "train_seconds": time.perf_counter() - t0, "resumed": kwargs["resume"],
             "final_eval": last, "train_config": {k: v for k, v in kwargs.items() if k != "resume"},
         }, done)
     info = json.loads(done.read_text())
     model, task, _ = load_checkpoint(out_dir / "ckpt.pt", device=device)
     info["cache_dir"] = str(out_dir)
     info["n_params"] = sum(p.numel() for p in model.parameters())
-    bench = BenchModel(s, model, task, info)
-    _LOADED[memo] = bench
-    return bench
-
-
-def config_fields(spec_: ModelSpec) -> dict:
-    return {k: v for k, v in dataclasses.asdict(spec_).items() if k != "overrides"}
+    return BenchModel(s, model, task, info)

@@ -23,7 +23,6 @@ import torch
 
 import sigmafast
 from _common import bench_full, device_info, primary_metric, summarize, synchronize
-from _models import get_model
 from sigmafast.tasks import get_task
 
 # Reference step counts for T=100 (the paper, its appendix, and perfect-model
@@ -103,9 +102,9 @@ def _canvas(task, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Ten
 
 
 @pytest.mark.parametrize("model_name,strategy,rule,num_orders", MODEL_CASES)
-def test_model_steps(benchmark, request, model_name, strategy, rule, num_orders, cache_dir, device):
+def test_model_steps(benchmark, request, model_name, strategy, rule, num_orders, models, device):
     text = request.getfixturevalue("shakespeare") if model_name == "char" else None
-    bm = get_model(model_name, cache_dir, device, text)
+    bm = models.get(model_name, device, text)
     model, task = bm.model, bm.task
     n = bm.spec.n_sequences
     canvas, known = _canvas(task, n, device)

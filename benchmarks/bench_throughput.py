@@ -56,7 +56,6 @@ import torch
 import sigmafast
 import sigmafast.reference
 from _common import bench_full, device_info, summarize, synchronize
-from _models import get_model
 
 FULL = bench_full()
 SIZES = {  # model -> (new_tokens, batch)
@@ -132,15 +131,16 @@ def flops_per_seq(config, name: str, T: int, n_known: int, stats) -> tuple[float
 
 
 @pytest.mark.parametrize("model_name,name,new_tokens,batch", CASES)
-def test_throughput(benchmark, request, model_name, name, new_tokens, batch, cache_dir, device):
+def test_throughput(benchmark, request, model_name, name, new_tokens, batch, models, device):
     text = request.getfixturevalue("shakespeare") if model_name == "char" else None
-    bm = get_model(model_name, cache_dir, device, text)
+    bm = models.get(model_name, device, text)
     model, task = bm.model, bm.task
     T = task.seq_len
     if new_tokens > T:
         pytest.skip(f"the {model_name} model has seq_len {T} < {new_tokens} new tokens")
     spec = dict(STRATEGIES[name])
-    sampler = sigmafast.reference.generate if spec.pop("reference", False) else sigmafast.generate
+    reference = spec.pop("reference", False)
+    sampler = sigmafast.reference.generate if reference else sigmafast.generate
     window = task.sample_batch(batch, "val", torch.Generator().manual_seed(0)).to(device)  # (B, T)
     prompt = window[:, : T - new_tokens]  # (B, P)
 
@@ -169,8 +169,8 @@ def test_throughput(benchmark, request, model_name, name, new_tokens, batch, cac
     n_known = prompt.shape[1]
     algorithmic, executed = flops_per_seq(model.config, name, T, n_known, stats)
     benchmark.extra_info.update(
-        kind="throughput", model=model_name, strategy=spec["strategy"] if sampler is sigmafast.generate else
-        f"reference-{spec['strategy']}", acceptance=spec.get("acceptance"), num_orders=spec.get("num_orders", 1),
+        kind="throughput", model=model_name, acceptance=spec.get("acceptance"), num_orders=spec.get("num_orders", 1),
+        strategy=f"reference-{spec['strategy']}" if reference else spec["strategy"],
         new_tokens=new_tokens, prompt_tokens=n_known, batch_size=batch, seq_len=T, rounds=ROUNDS,
         seconds_median=wall, tokens_per_s=batch * new_tokens / wall, flops_per_seq=algorithmic,
         flops_per_seq_executed=executed, achieved_gflops_per_s=executed * batch / wall / 1e9,

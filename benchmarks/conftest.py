@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from _common import SHARED_DIR, bench_device, bench_full, cache_root, device_label
+from _models import ModelCache
 
 
 def pytest_configure(config):
@@ -40,8 +41,9 @@ def device() -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def cache_dir() -> Path:
-    return cache_root()
+def models() -> ModelCache:
+    """The small benchmark models, trained on first use and cached under SIGMAFAST_CACHE."""
+    return ModelCache(cache_root())
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "benchmarks"
 MY_KINDS = ("oracle_steps", "model_steps", "throughput")
+TASK_ORDER = ("product", "step", "permutation", "maze", "char")
 
 
 def load(path: Path) -> tuple[dict, list[dict]]:
@@ -52,8 +53,13 @@ def rule_label(e: dict) -> str:
         strategy, prefix = strategy[len("reference-"):], "naive reference, "
     if strategy == "autoregressive":
         return prefix + "autoregressive"
-    orders = f", {e['num_orders']} orders" if e["acceptance"] == "paper" else ""
+    n = e["num_orders"]
+    orders = f", {n} order{'s' if n != 1 else ''}" if e["acceptance"] == "paper" else ""
     return f"{prefix}burst {e['acceptance']}{orders}"
+
+
+def _rank(name: str) -> tuple:
+    return (TASK_ORDER.index(name) if name in TASK_ORDER else len(TASK_ORDER), name)
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -64,7 +70,7 @@ def table(header: list[str], rows: list[list]) -> str:
 
 def oracle_table(entries: list[dict]) -> str:
     rows = []
-    for e in sorted(entries, key=lambda e: (e["task"], e["acceptance"] != "paper", e["num_orders"])):
+    for e in sorted(entries, key=lambda e: (_rank(e["task"]), e["acceptance"] != "paper", e["num_orders"])):
         rows.append([
             e["task"], rule_label(e), f"{e['iterations_mean']:.2f} ± {e['iterations_std']:.2f}",
             f"{e['metric_name']} {e['metric_value']:.3f}", e.get("paper_note"), e.get("sim_note"), e["n_sequences"],
@@ -75,7 +81,7 @@ def oracle_table(entries: list[dict]) -> str:
 
 def model_table(entries: list[dict]) -> str:
     rows = []
-    for e in sorted(entries, key=lambda e: (e["model"], e["strategy"] != "autoregressive",
+    for e in sorted(entries, key=lambda e: (_rank(e["model"]), e["strategy"] != "autoregressive",
                                             e.get("acceptance") != "paper", e["num_orders"])):
         metric = "–" if e.get("metric_name") is None else f"{e['metric_name']} {e['metric_value']:.3f}"
         rows.append([
@@ -100,10 +106,12 @@ def throughput_table(entries: list[dict]) -> str:
             rows.append([
                 e["model"], e["new_tokens"], e["batch_size"], label, e["tokens_per_s"],
                 fmt(speed) + "×" if speed else "–", e["forward_calls"], fmt(e.get("iterations_mean"), 1),
-                e["flops_per_seq"] / 1e9, fmt(flops, 1) + "×" if flops else "–",
+                f"{e['flops_per_seq'] / 1e9:.2f} / {e['flops_per_seq_executed'] / 1e9:.2f}",
+                fmt(flops, 1) + "×" if flops else "–", e["achieved_gflops_per_s"],
             ])
     return table(["model", "new tokens", "batch", "strategy", "tokens/s", "vs AR", "forward calls",
-                  "iterations / seq", "GFLOP / sequence", "FLOPs vs AR"], rows)
+                  "iterations / seq", "GFLOP / sequence (algorithmic / executed)", "FLOPs vs AR",
+                  "achieved GFLOP/s"], rows)
 
 
 def other_table(benchmarks: list[dict]) -> str:
@@ -117,9 +125,14 @@ def other_table(benchmarks: list[dict]) -> str:
     return table(["benchmark", "mean ms", "figures"], rows) if rows else ""
 
 
-def markdown(machine: dict, benchmarks: list[dict]) -> str:
+def device_title(machine: dict) -> str:
     device = machine.get("sigmafast_device", machine.get("cpu", {}).get("brand_raw", "unknown device"))
-    parts = [f"### {device}", ""]
+    threads = machine.get("torch_threads")
+    return f"{device} (torch threads: {threads})" if threads and device.startswith("CPU") else device
+
+
+def markdown(machine: dict, benchmarks: list[dict]) -> str:
+    parts = [f"### {device_title(machine)}", ""]
     sections = [
         ("Steps: exact oracles", oracle_table, by_kind(benchmarks, "oracle_steps")),
         ("Steps: small trained models", model_table, by_kind(benchmarks, "model_steps")),
@@ -184,6 +197,12 @@ def _steps_panel(ax, entries: list[dict], title: str) -> None:
     ax.legend(fontsize=7)
 
 
+def _ordered(names: set) -> list[str]:
+    """The paper's task order first (product, step, permutation, maze, char), then the rest."""
+    known = [n for n in TASK_ORDER if n in names]
+    return known + sorted(names - set(known))
+
+
 def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
     try:
         import matplotlib
@@ -195,8 +214,8 @@ def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
     written = []
     oracles = by_kind(benchmarks, "oracle_steps")
     models = [e for e in by_kind(benchmarks, "model_steps") if e.get("metric_name") is not None]
-    panels = [("oracle", t, [e for e in oracles if e["task"] == t]) for t in sorted({e["task"] for e in oracles})]
-    panels += [("model", m, [e for e in models if e["model"] == m]) for m in sorted({e["model"] for e in models})]
+    panels = [("oracle", t, [e for e in oracles if e["task"] == t]) for t in _ordered({e["task"] for e in oracles})]
+    panels += [("model", m, [e for e in models if e["model"] == m]) for m in _ordered({e["model"] for e in models})]
     if panels:
         cols = 3
         rows = -(-len(panels) // cols)
@@ -205,10 +224,10 @@ def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
             _steps_panel(ax, entries, f"{name} ({'exact oracle' if kind == 'oracle' else 'small model'})")
         for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")
-        fig.suptitle(f"Validity vs burst iterations — {machine.get('sigmafast_device', '')}", fontsize=11)
+        fig.suptitle(f"Validity vs burst iterations — {device_title(machine)}", fontsize=11)
         fig.tight_layout()
         written.append(out_dir / "steps.png")
-        fig.savefig(written[-1], dpi=90)
+        fig.savefig(written[-1], dpi=80)
         plt.close(fig)
     tp = by_kind(benchmarks, "throughput")
     if tp:
@@ -227,12 +246,12 @@ def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
         ax.set_xticklabels([f"{m}\n{n} tok, batch {b}" for m, n, b in groups], fontsize=8)
         ax.set_ylabel("generated tokens / s")
         ax.set_yscale("log")
-        ax.set_title(f"Throughput — {machine.get('sigmafast_device', '')}", fontsize=10)
+        ax.set_title(f"Throughput — {device_title(machine)}", fontsize=10)
         ax.legend(fontsize=7)
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
         written.append(out_dir / "throughput.png")
-        fig.savefig(written[-1], dpi=90)
+        fig.savefig(written[-1], dpi=80)
         plt.close(fig)
     return written
 

@@ -121,7 +121,14 @@ class TokenFileTask(Task):
         missing = [str(p) for p in paths.values() if not p.is_file()]
         if missing:
             raise FileNotFoundError(self._missing_message(missing))
-        self._data = {split: load_token_file(path, self.seq_len) for split, path in paths.items()}
+        try:
+            self._data = {split: load_token_file(path, self.seq_len) for split, path in paths.items()}
+        except ValueError as exc:
+            prepare = TOKEN_DATASETS[name]["prepare"].format(data_dir=self.data_dir)
+            raise ValueError(
+                f"{exc}. Rebuild the token files ({prepare} ...), from more text or with a larger --val-fraction "
+                "if a split is too short for seq_len"
+            ) from exc
 
     def _missing_message(self, missing: list[str]) -> str:
         prepare = TOKEN_DATASETS[self.name]["prepare"].format(data_dir=self.data_dir)
