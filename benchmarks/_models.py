@@ -31,7 +31,7 @@ import torch
 
 from _common import bench_full
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from sigmafast import orders
-from sigmafast.model import PRESETS, SigmaGPT, SigmaGPTConfig, sinusoidal_table
+from sigmafast.model import PE_SCALE, PRESETS, SigmaGPT, SigmaGPTConfig, sinusoidal_table
 
 
 def tiny_config(**kw) -> SigmaGPTConfig:
@@ -151,9 +151,10 @@ def test_learned_vs_sinusoidal_positions():
     assert not any(n.startswith("wpe") for n, _ in sin.named_parameters())
     assert "pe_table" not in sin.state_dict()
     table = sinusoidal_table(17, half)
-    assert torch.allclose(table[5, 0:2], torch.tensor([math.sin(5.0), math.cos(5.0)]))
-    assert torch.allclose(table[5, 2:4], torch.tensor([math.sin(5.0 / 10000 ** (2 / half)),
-                                                       math.cos(5.0 / 10000 ** (2 / half))]))
+    assert torch.allclose(table[5, 0:2], PE_SCALE * torch.tensor([math.sin(5.0), math.cos(5.0)]))
+    assert torch.allclose(table[5, 2:4], PE_SCALE * torch.tensor([math.sin(5.0 / 10000 ** (2 / half)),
+                                                                  math.cos(5.0 / 10000 ** (2 / half))]))
+    assert abs(table.pow(2).mean().sqrt().item() - 0.02) < 1e-3  # channel RMS of the token-embedding init
     pe = sin.pos_embed(torch.tensor([[16, 3]]), torch.tensor([[3, 7]]))  # (1, 2, C)
     assert torch.equal(pe[0, 0], torch.cat([table[16], table[3]]))
     assert torch.equal(pe[0, 1], torch.cat([table[3], table[7]]))
