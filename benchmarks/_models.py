@@ -11,9 +11,8 @@ models on an idle machine); ``SIGMAFAST_BENCH_FULL=1`` selects bigger ones.
 At these budgets the models are weak, and the benchmarks report it: the step
 model leaves its plateau (lr 3e-3 matters; at 1e-3 it stays at the Bernoulli
 marginal), the permutation model barely leaves the uniform plateau (learned
-positions help: with the sinusoidal encoding it sits at exactly log 100 for
-1200 steps), and the char model stays near the unigram plateau, so its burst
-drafts are accepted almost wholesale.
+positions help: with the unscaled sinusoidal encoding it sat at exactly log 100
+for 1200 steps), and the char model stays near its unigram loss.
 """
 
 from __future__ import annotations

@@ -224,6 +224,7 @@ def _combine_kernel(
     i_h = (pid_bh % H).to(tl.int64)
     o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
     m_row = o_m < M
     o_m64 = o_m.to(tl.int64)
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -232,7 +233,8 @@ def _combine_kernel(
     for i_s in range(0, n_splits):
         row = (i_s * tl.num_programs(1) + pid_bh).to(tl.int64) * M + o_m64
         b_lse = tl.load(LSE_PART + row, mask=m_row, other=float("-inf"))
-        b_o = tl.load(O_PART + row[:, None] * BLOCK_D + o_d[None, :], mask=m_row[:, None], other=0.0)
+        b_o = tl.load(O_PART + row[:, None] * BLOCK_D + o_d[None, :], mask=m_row[:, None] & m_d[None, :],
+                      other=0.0)  # columns >= D of the partials are never written
         m_new = tl.maximum(b_m, b_lse)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(b_m - m_use)
@@ -244,7 +246,7 @@ def _combine_kernel(
     row_g = (o_m // SEG).to(tl.int64)
     row_s = (o_m % SEG).to(tl.int64)
     p_o = O + i_b * s_ob + i_h * s_oh + row_g[:, None] * s_og + row_s[:, None] * s_os + o_d[None, :] * s_od
-    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & (o_d[None, :] < D))
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
 
 
 def _split_parts(t: torch.Tensor) -> tuple:

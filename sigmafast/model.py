@@ -109,8 +109,9 @@ def sinusoidal_table(n_pos: int, dim: int, scale: float = PE_SCALE) -> torch.Ten
     The default scale gives every channel an RMS of 0.02, the std of the GPT-2
     token-embedding init. At unit amplitude (the original σ-GPT code) the fixed
     encoding outweighs the token embedding ~35:1 after the first LayerNorm, and
-    small models barely see the tokens: a tiny character model stayed at the
-    unigram loss after 300 steps, and learned in the same 300 steps once scaled.
+    small models barely see the tokens: a tiny left-to-right character model
+    stayed at the unigram loss after 300 steps, and beat it by ~0.9 nats once
+    scaled (``tests/test_text.py``).
     """
     pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
     i = torch.arange(0, dim, 2, dtype=torch.float64)
