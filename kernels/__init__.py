@@ -115,7 +115,10 @@ def acceptance_from_hidden(
     if backend_for(hidden) == "triton":
         fn = _triton("accept", "acceptance_from_hidden")
         return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
-    return reference.acceptance(hidden @ weight.T, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    logits = hidden @ weight.T
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
 def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,12 @@ from .reference import RULES, Acceptance, decide
 from .utils import check_float, kth_largest, load_logits, online_lse, rows_per_program
 
 
+def _score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """log q from hidden states is float32 at least (as the engine's float32 logits): bf16 would round
+    q/p by up to 1%."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @triton.jit
 def _draft_logq_kernel(
     X, DRAFT, KTH, LOGQ, ARGMAX,
@@ -234,5 +240,5 @@ def acceptance_from_hidden(
             DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
             num_warps=8, num_stages=3,
         )
-    scores = res.view(B, O, R) if temperature == 0 else res.view(B, O, R).to(hidden.dtype)
+    scores = res.view(B, O, R) if temperature == 0 else res.view(B, O, R).to(_score_dtype(hidden.dtype))
     return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)

@@ -51,7 +51,7 @@ class NeuralConditionals:
         m = int(n_known.max())
         if m > 0:
             order = (~known).to(torch.int8).argsort(dim=1, stable=True)[:, :m]  # (B, m) known first, ascending
-            session.forward_orders(order[:, None], canvas.gather(1, order)[:, None], logits=False)
+            session.forward_orders(order[:, None], canvas.gather(1, order)[:, None])
             session.commit(torch.zeros(B, dtype=torch.long, device=canvas.device), n_known, canvas, known)
         return session
 
@@ -83,12 +83,28 @@ class NeuralSession:
 
         return _logits_dtype(model.lm_head(model.run_layers(x, attend)))
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """(V, C) LM-head weight, for acceptance straight from hidden states."""
+        return self.model.lm_head.weight
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., C) final hidden states -> (..., V) logits (float32 for 16-bit models)."""
+        return _logits_dtype(self.model.lm_head(h))
+
     def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """(B, O, R) orders and draft tokens in visiting order -> (B, O, R, V) verifier logits."""
-        return self.forward_orders(orders, drafts, logits=True)
+        return self.head(self.verify_hidden(orders, drafts))
 
-    def forward_orders(self, orders: torch.Tensor, drafts: torch.Tensor, logits: bool = True):
-        """Feed ``[last, drafts[:-1]]`` along each order; keep each layer's k, v for :meth:`commit`."""
+    def verify_hidden(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """:meth:`verify` before the LM head: (B, O, R, C) final hidden states, so that the
+        acceptance kernel can score drafts without writing the (B, O, R, V) logits."""
+        return self.forward_orders(orders, drafts)
+
+    def forward_orders(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """Feed ``[last, drafts[:-1]]`` along each order; keep each layer's k, v for :meth:`commit`.
+
+        Returns the (B, O, R, C) final hidden states."""
         B, O, R = orders.shape
         model, cache = self.model, self.cache
         tokens = torch.cat([self.last_tok[:, None, None].expand(B, O, 1), drafts[..., :-1]], dim=-1)
@@ -104,7 +120,7 @@ class NeuralSession:
 
         h = model.run_layers(x, attend)
         self._pending = (orders, torch.stack(keys), torch.stack(values))  # (n_layer, B, O, H, R, D)
-        return _logits_dtype(model.lm_head(h)) if logits else None
+        return h
 
     def commit(self, choice: torch.Tensor, n: torch.Tensor, canvas: torch.Tensor, known: torch.Tensor) -> None:
         """Append the first ``n[b]`` inputs of order ``choice[b]`` of the last verify; the token at

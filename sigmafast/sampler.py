@@ -212,11 +212,17 @@ def _burst_step(session, req, canvas, known, remaining, d, R: int):
     # Verify O random orders of the remaining positions at once.
     orders = d.keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]  # (B, O, R)
     drafts = draft_tok[:, None, :].expand(B, O, T).gather(2, orders)
-    q_logits = session.verify(orders, drafts)  # (B, O, R, V)
-    res = kernels.acceptance(
-        q_logits, drafts, draft_logp[:, None, :].expand(B, O, T).gather(2, orders),
+    accept_args = (
+        drafts, draft_logp[:, None, :].expand(B, O, T).gather(2, orders),
         d.u_accept[:, None, :].expand(B, O, T).gather(2, orders), remaining, temp, top_k, req.acceptance,
     )
+    hidden = q_logits = None
+    if hasattr(session, "verify_hidden"):  # score drafts from hidden states: no (B, O, R, V) logits
+        hidden = session.verify_hidden(orders, drafts)  # (B, O, R, C)
+        res = kernels.acceptance_from_hidden(hidden, session.head_weight, *accept_args)
+    else:
+        q_logits = session.verify(orders, drafts)  # (B, O, R, V)
+        res = kernels.acceptance(q_logits, *accept_args)
     choice = res.best if req.acceptance == "paper" else torch.zeros_like(res.best)
     n = res.n_accept[rows, choice]  # (B,)
     chosen = orders[rows, choice]  # (B, R)
@@ -227,7 +233,8 @@ def _burst_step(session, req, canvas, known, remaining, d, R: int):
         k = n.clamp(max=R - 1)
         j = chosen.gather(1, k[:, None]).squeeze(1)  # (B,) position of the first rejection
         p_rows = p_logits[rows, slot.gather(1, j[:, None]).squeeze(1)]  # (B, V)
-        r_tok = kernels.residual_sample(q_logits[rows, choice, k], p_rows,
+        q_rows = session.head(hidden[rows, choice, k]) if hidden is not None else q_logits[rows, choice, k]
+        r_tok = kernels.residual_sample(q_rows, p_rows,
                                         d.u_residual.gather(1, j[:, None]).squeeze(1), temp, top_k)
         new_tok = torch.where((steps[None, :] == k[:, None]) & rejected[:, None], r_tok[:, None], new_tok)
         n_commit = n + rejected.long()
