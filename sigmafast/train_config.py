@@ -30,7 +30,7 @@ _PAPER = dict(
     eval_interval=1000, eval_iters=200, num_eval_samples=0,
 )
 _CPU = dict(
-    max_iters=2000, batch_size=32, grad_accum=1, lr=1e-3, warmup_iters=50, beta2=0.99,
+    max_iters=2000, batch_size=32, grad_accum=1, lr=3e-3, warmup_iters=50, beta2=0.99,
     eval_interval=100, eval_iters=10, num_eval_samples=16,
 )
 TRAIN_PRESETS: dict[str, dict] = {
