@@ -36,6 +36,7 @@ from sigmafast.data import (
     encode_documents,
     gpt2_encoding,
     progress,
+    read_text,
     split_paths,
     utf8_safe_cut,
     write_tokens,
@@ -138,18 +139,7 @@ def write_documents(docs: Iterable[str], outputs: dict[str, Path], val_docs: Opt
 
 
 def prepare_from_text(files: Sequence[str], data_dir: Path, val_fraction: float, num_threads: int) -> dict[str, int]:
-    texts = []
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"--from-text: {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"--from-text: {path} is not UTF-8 text ({exc})") from exc
-        if not text:
-            raise ValueError(f"--from-text: {path} is empty")
-        texts.append(text)
+    texts = [read_text(name, "--from-text") for name in files]
     enc = gpt2_encoding()
     tokens = np.concatenate(encode_documents(texts, enc, num_threads, desc="tokenising"))
     cut = utf8_safe_cut(tokens, int(round(len(tokens) * (1.0 - val_fraction))), enc)

@@ -41,6 +41,20 @@ def gpt2_encoding():
         ) from exc
 
 
+def read_text(path: PathLike, what: str) -> str:
+    """The UTF-8 content of a non-empty text file; ``what`` names it in the errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what}: {path} is not UTF-8 text ({exc})") from exc
+    if not text:
+        raise ValueError(f"{what}: {path} is empty")
+    return text
+
+
 def check_vocab_size(vocab_size: int) -> None:
     """Raise ValueError unless every id of a ``vocab_size`` vocabulary fits in uint16."""
     if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:

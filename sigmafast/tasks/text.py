@@ -26,6 +26,7 @@ from ..data import (
     check_vocab_size,
     gpt2_encoding,
     load_token_file,
+    read_text,
     sample_windows,
     split_paths,
 )
@@ -62,14 +63,7 @@ class CharTask(Task):
         if not 0.0 < float(val_fraction) < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
         path = Path(text)
-        if not path.is_file():
-            raise FileNotFoundError(f"char task: text file {path} does not exist")
-        try:
-            content = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"char task: {path} is not UTF-8 text ({exc})") from exc
-        if not content:
-            raise ValueError(f"char task: text file {path} is empty")
+        content = read_text(path, "char task text file")
         self.name = "char"
         self.path = path
         codepoints = np.frombuffer(content.encode("utf-32-le"), dtype=np.uint32)
