@@ -100,7 +100,23 @@ class SyntheticTask(Task):
         return samples.long()
 
 
-class ProductTask(SyntheticTask):
+class ExactTask(SyntheticTask):
+    """A synthetic task whose exact conditionals are known (:mod:`sigmafast.tasks.oracles`)."""
+
+    def oracle(self):
+        from .oracles import make_oracle
+
+        return make_oracle(self)
+
+
+class BinaryTask(ExactTask):
+    """Sequences over {0, 1}; BOS = 2."""
+
+    def decode(self, tokens) -> str:
+        return "".join({0: "0", 1: "1", self.bos: "^"}.get(t, "?") for t in _token_list(tokens))
+
+
+class ProductTask(BinaryTask):
     """iid Bernoulli(``p_one``) tokens over {0, 1}; BOS = 2."""
 
     name = "product"
@@ -120,16 +136,8 @@ class ProductTask(SyntheticTask):
         x = self._check_samples(samples)
         return {"ones_rate": (x == 1).double().mean().item()}
 
-    def oracle(self):
-        from .oracles import make_oracle
 
-        return make_oracle(self)
-
-    def decode(self, tokens) -> str:
-        return "".join({0: "0", 1: "1", self.bos: "^"}.get(t, "?") for t in _token_list(tokens))
-
-
-class StepTask(SyntheticTask):
+class StepTask(BinaryTask):
     """Zeros with one run of ``run_length`` ones at a uniformly random offset; BOS = 2."""
 
     name = "step"
@@ -160,16 +168,8 @@ class StepTask(SyntheticTask):
         valid = binary & (ones.sum(dim=1) == self.run_length) & (n_runs == 1)
         return {"valid": valid.double().mean().item()}
 
-    def oracle(self):
-        from .oracles import make_oracle
 
-        return make_oracle(self)
-
-    def decode(self, tokens) -> str:
-        return "".join({0: "0", 1: "1", self.bos: "^"}.get(t, "?") for t in _token_list(tokens))
-
-
-class PermutationTask(SyntheticTask):
+class PermutationTask(ExactTask):
     """A uniformly random permutation of ``n_classes = seq_len`` classes; BOS = n_classes."""
 
     name = "permutation"
@@ -189,11 +189,6 @@ class PermutationTask(SyntheticTask):
         classes = torch.arange(self.n_classes, device=x.device)
         valid = (x.sort(dim=1).values == classes).all(dim=1)
         return {"valid": valid.double().mean().item()}
-
-    def oracle(self):
-        from .oracles import make_oracle
-
-        return make_oracle(self)
 
     def decode(self, tokens) -> str:
         return " ".join("<bos>" if t == self.bos else str(t) for t in _token_list(tokens))
