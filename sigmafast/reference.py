@@ -22,11 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .request import ar_rank, build_stats, draw, draw_burst, eval_mode, prepare
-
-
-def _is_neural(model) -> bool:
-    return isinstance(model, torch.nn.Module) and hasattr(model, "config")
+from .kernels import reference as ref
+from .request import ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt, prepare
 
 
 def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
@@ -36,7 +33,7 @@ def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
     position ``target``. Oracles get the same information as a canvas and mask.
     """
     N = len(queries)
-    if _is_neural(model):
+    if is_sigma_gpt(model):
         cfg = model.config
         device = next(model.parameters()).device
         L = max(len(q[0]) for q in queries) + 1
@@ -68,43 +65,27 @@ def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
     return logits
 
 
-def probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
-    """(V,) processed distribution: divide by temperature, keep the top_k largest (ties kept)."""
-    z = logits / temperature
-    if top_k is not None and top_k < z.numel():
-        kth = z.sort(descending=True).values[top_k - 1]
-        z = z.masked_fill(z < kth, float("-inf"))
-    return torch.softmax(z, dim=-1)
-
-
-def pick(weights: torch.Tensor, u: float) -> int:
-    """Inverse CDF: first i with cumsum(weights)[i] > u * sum(weights), clamped to the last nonzero weight."""
-    cdf = weights.cumsum(0)
-    i = int((cdf <= u * cdf[-1]).sum())
-    last_nonzero = int(torch.nonzero(weights > 0).max())
-    return min(i, last_nonzero)
+def _u(u: float) -> torch.Tensor:
+    return torch.tensor([u], dtype=torch.float64)
 
 
 def sample_one(logits, u: float, temperature: float, top_k: Optional[int]) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    return pick(probs(logits, temperature, top_k), u)
+    """One inverse-CDF draw from (V,) logits, by the kernels' reference rule."""
+    return int(ref.sample(logits[None], _u(u), temperature, top_k)[0][0])
 
 
 def accept_one(q_logits, p_logits, x: int, u: float, temperature: float, top_k: Optional[int]) -> bool:
     """u < q(x) / p(x); greedy: x is the verifier's argmax."""
     if temperature == 0:
         return int(q_logits.argmax()) == x
-    return u < float(probs(q_logits, temperature, top_k)[x] / probs(p_logits, temperature, top_k)[x])
+    log_q = ref.log_probs(q_logits, temperature, top_k)[x]
+    log_p = ref.log_probs(p_logits, temperature, top_k)[x]
+    return u < float(torch.exp(log_q - log_p))
 
 
 def residual_one(q_logits, p_logits, u: float, temperature: float, top_k: Optional[int]) -> int:
     """A draw from normalize(max(0, q - p)) (from q when that is all zero); greedy: argmax q."""
-    if temperature == 0:
-        return int(q_logits.argmax())
-    q = probs(q_logits, temperature, top_k)
-    r = (q - probs(p_logits, temperature, top_k)).clamp_min(0)
-    return pick(q if float(r.sum()) <= 0 else r, u)
+    return int(ref.residual_sample(q_logits[None], p_logits[None], _u(u), temperature, top_k)[0])
 
 
 def generate(

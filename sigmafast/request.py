@@ -82,9 +82,14 @@ def eval_mode(model):
             model.train()
 
 
+def is_sigma_gpt(model) -> bool:
+    """True for the neural model (a module with a ``config``), False for an oracle."""
+    return isinstance(model, nn.Module) and hasattr(model, "config")
+
+
 def model_limits(model) -> tuple[int, int, torch.device]:
     """(vocab_size, block_size, device) of a SigmaGPT or of an oracle."""
-    if isinstance(model, nn.Module) and hasattr(model, "config"):
+    if is_sigma_gpt(model):
         cfg = model.config
         return cfg.vocab_size, cfg.block_size, next(model.parameters()).device
     if all(hasattr(model, a) for a in ("vocab_size", "block_size", "prefill")):

@@ -50,14 +50,14 @@ import torch
 
 from . import kernels
 from .engine import NeuralConditionals
-from .request import SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, prepare
+from .request import SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt, prepare
 
 __all__ = ["generate", "conditional_density", "log_likelihood", "as_conditionals", "SampleStats"]
 
 
 def as_conditionals(model):
     """A SigmaGPT wrapped in its cached adapter; an oracle is returned as is."""
-    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+    if is_sigma_gpt(model):
         return NeuralConditionals(model)
     if hasattr(model, "prefill"):
         return model
@@ -281,7 +281,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
     else:
         raise TypeError(f"order must be a str or a (B, T) tensor, got {type(order).__name__}")
     with torch.no_grad(), eval_mode(model):
-        if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        if is_sigma_gpt(model):
             cfg = model.config
             tokens, in_pos, out_pos, targets = orders_mod.shuffle(x, order, cfg.bos_token_id, cfg.start_pos)
             logits, _ = model(tokens, in_pos, out_pos)
