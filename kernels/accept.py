@@ -221,7 +221,7 @@ def acceptance_from_hidden(
         )
     B, O, R, C = hidden.shape
     V = weight.shape[0]
-    if top_k is not None and top_k < V:
+    if top_k is not None and top_k < V and temperature != 0:  # greedy: top-k cannot change the argmax
         return acceptance(hidden @ weight.T, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     _check(hidden.new_empty(B, O, R, 1).expand(B, O, R, V), drafts, draft_logp, uniforms, lengths, temperature,
            top_k, rule)

@@ -69,7 +69,15 @@ def select_device(name: str, local_rank: int = 0, distributed: bool = False) -> 
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     if name == "cuda" and distributed:
         name = f"cuda:{local_rank}"
-    return torch.device(name)
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is not None:
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if distributed and dev.index != local_rank:
+            raise ValueError(f"device {name!r} under torchrun: pass --device cuda (each rank takes cuda:LOCAL_RANK)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' requested but MPS is not available")
+    return dev
 
 
 def init_layout(device: str = "auto") -> Layout:

@@ -208,6 +208,11 @@ class _Trainer:
         self.task_info = task_record(self.task, task_kwargs)
         self.model_config = build_model_config(cfg, self.task)
         self.path = checkpoint_path(cfg.out_dir)
+        if layout.is_main:  # fail now, not at the first checkpoint after minutes of training
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} cannot be created: {e}") from None
         ckpt = None
         if cfg.resume:
             ckpt = read_checkpoint(self.path)

@@ -132,6 +132,9 @@ def test_utf8_safe_cut_moves_past_continuation_bytes(enc):
         assert safe >= cut
         enc.decode_bytes(tokens[:safe].tolist()).decode("utf-8")
         enc.decode_bytes(tokens[safe:].tolist()).decode("utf-8")
+        for c in range(cut, safe):  # and it is the smallest safe cut
+            with pytest.raises(UnicodeDecodeError):
+                enc.decode_bytes(tokens[:c].tolist()).decode("utf-8")
 
 
 def _fake_datasets(monkeypatch, splits: dict[str, list[str]], calls: list):

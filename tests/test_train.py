@@ -151,11 +151,21 @@ def test_log_lines(tmp_path, caplog):
     assert any("val loss random" in r.getMessage() and "(ppl" in r.getMessage() for r in caplog.records)
 
 
-def test_validity_metric_from_sampled_sequences(tmp_path):
-    pytest.importorskip("sigmafast.reference", reason="sigmafast/reference.py (naive sampler) not written yet")
+def test_validity_metric_from_sampled_sequences(tmp_path, monkeypatch):
+    import sigmafast.reference
+
+    valid = get_task("step", seq_len=12).sample_batch(4, "val", torch.Generator().manual_seed(0))
+    outs = iter([valid, torch.zeros_like(valid)])  # all-zero step rows are invalid
+    monkeypatch.setattr(sigmafast.reference, "generate", lambda *a, **k: next(outs))
     result = train(small_cfg(tmp_path, task="step", seq_len=12, max_iters=2, eval_interval=2, num_eval_samples=4))
-    for record in result.history:
-        assert 0.0 <= record["sample_valid"] <= 1.0
+    assert [r["sample_valid"] for r in result.history] == [1.0, 0.0]
+
+
+def test_unwritable_out_dir_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match="out_dir"):
+        train(small_cfg(tmp_path, out_dir=str(blocker / "run")))
 
 
 def test_learning_rate_schedule():
@@ -276,7 +286,8 @@ BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "-
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     script = load_script()
-    argv = [a.format(empty=tmp_path / "empty", trained=trained_dir) for a in BASE_ARGV + extra]
+    run_dir = ["--out-dir", str(tmp_path / "run")]  # a later --out-dir in extra wins
+    argv = [a.format(empty=tmp_path / "empty", trained=trained_dir) for a in BASE_ARGV + run_dir + extra]
     try:
         code = script.main(argv)
     except SystemExit as e:  # argparse

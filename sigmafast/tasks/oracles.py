@@ -25,7 +25,6 @@ class Oracle:
     """Base class: subclasses implement :meth:`_probs` on (B, K, T) revealed sets."""
 
     def __init__(self, task, n_real: int) -> None:
-        self.task = task
         self.vocab_size = task.vocab_size
         self.block_size = task.seq_len
         self.bos = task.bos
@@ -36,7 +35,7 @@ class Oracle:
         self.device = torch.device(device)
         return self
 
-    def _probs(self, canvas, known, positions, drafts=None, orders=None) -> torch.Tensor:
+    def _probs(self, canvas, known, positions, drafts=None) -> torch.Tensor:
         raise NotImplementedError
 
     def _to_logits(self, p: torch.Tensor) -> torch.Tensor:
@@ -69,7 +68,7 @@ class OracleSession:
 
     def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """Step k of order o conditions on the known tokens and drafts at steps < k."""
-        p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts, orders=orders)
+        p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts)
         return self.oracle._to_logits(p)
 
     def commit(self, choice, n, canvas: torch.Tensor, known: torch.Tensor) -> None:
@@ -84,7 +83,7 @@ class ProductOracle(Oracle):
         super().__init__(task, n_real=2)
         self.p_one = task.p_one
 
-    def _probs(self, canvas, known, positions, drafts=None, orders=None):
+    def _probs(self, canvas, known, positions, drafts=None):
         p = torch.tensor([1.0 - self.p_one, self.p_one], dtype=torch.float64, device=canvas.device)
         return p.expand(*positions.shape, 2)
 
@@ -99,7 +98,7 @@ class StepOracle(Oracle):
         pos = torch.arange(T)[None, :]
         self.runs = ((pos >= offsets) & (pos < offsets + L)).double()  # (S, T) ones of each offset
 
-    def _probs(self, canvas, known, positions, drafts=None, orders=None):
+    def _probs(self, canvas, known, positions, drafts=None):
         runs = self.runs.to(canvas.device)  # (S, T)
         ones = (known & (canvas == 1)).double()
         zeros = (known & (canvas == 0)).double()
@@ -127,7 +126,7 @@ class PermutationOracle(Oracle):
     def __init__(self, task) -> None:
         super().__init__(task, n_real=task.n_classes)
 
-    def _probs(self, canvas, known, positions, drafts=None, orders=None):
+    def _probs(self, canvas, known, positions, drafts=None):
         C = self.n_real
         real = known & (canvas < C)
         used = torch.zeros(canvas.shape[0], C, dtype=torch.float64, device=canvas.device)
