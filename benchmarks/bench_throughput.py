@@ -10,7 +10,7 @@ validation sequence (the whole ``seq_len`` window unconditionally when
 * ``burst-paper-o5``: burst sampling, paper rule, 5 verification orders;
 * ``burst-lossless``: burst sampling, lossless rule (1 order);
 * ``reference-autoregressive``: the naive uncached reference
-  (``sigmafast.reference.generate``), which recomputes the whole prefix for
+  (``sigmafast.naive.generate``), which recomputes the whole prefix for
   every token (O(T²) work); only at batch 1. Its burst mode
   (``reference-burst-paper-o5``), which recomputes every draft and every
   verification step from scratch, runs only on the step model (T=100).
@@ -54,7 +54,7 @@ import pytest
 import torch
 
 import sigmafast
-import sigmafast.reference
+import sigmafast.naive
 from _common import bench_full, device_info, summarize, synchronize
 
 FULL = bench_full()
@@ -140,7 +140,7 @@ def test_throughput(benchmark, request, model_name, name, new_tokens, batch, mod
         pytest.skip(f"the {model_name} model has seq_len {T} < {new_tokens} new tokens")
     spec = dict(STRATEGIES[name])
     reference = spec.pop("reference", False)
-    sampler = sigmafast.reference.generate if reference else sigmafast.generate
+    sampler = sigmafast.naive.generate if reference else sigmafast.generate
     window = task.sample_batch(batch, "val", torch.Generator().manual_seed(0)).to(device)  # (B, T)
     prompt = window[:, : T - new_tokens]  # (B, P)
 

@@ -10,15 +10,19 @@ kept aside: every next conditional feeds it with the wanted ``out_pos``
 - :meth:`NeuralSession.draft` is one burst forward: the last token once per
   queried position, each copy attending to the cache and to itself only.
 - :meth:`NeuralSession.verify` is one forward over O orders at once, causal
-  within each order, all orders sharing the cached prefix. It keeps every
-  layer's keys and values.
-- :meth:`NeuralSession.commit` appends the chosen order's first ``n`` inputs'
-  keys and values (computed by verify, never recomputed).
+  within each order, all orders sharing the cached prefix. It returns a
+  :class:`Verified` handle holding every layer's keys and values.
+- :meth:`NeuralSession.commit` takes that handle and appends the chosen
+  order's first ``n`` inputs' keys and values (never recomputed).
+
+A session owns static buffers: the (B, T) canvas and known mask, the
+full-length :class:`~sigmafast.cache.KVCache` and the last token; every update
+is in place, so a step over a session can be captured as a CUDA graph.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -26,49 +30,85 @@ from . import kernels
 from .cache import KVCache
 
 
-def _logits_dtype(logits: torch.Tensor) -> torch.Tensor:
+def float_logits(logits: torch.Tensor) -> torch.Tensor:
+    """16-bit logits as float32 (sampling and acceptance compare probabilities in float32 at least)."""
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+class Verified(NamedTuple):
+    """What :meth:`NeuralSession.verify` computed, for acceptance and :meth:`NeuralSession.commit`."""
+
+    orders: torch.Tensor  # (B, O, R) visited positions
+    hidden: Optional[torch.Tensor]  # (B, O, R, C) final hidden states (neural) or None
+    logits: Optional[torch.Tensor]  # (B, O, R, V) verifier logits (oracles) or None
+    keys: tuple  # n_layer tensors (B, O, H, R, D) (neural) or ()
+    values: tuple
 
 
 class NeuralConditionals:
     """Adapter of a :class:`~sigmafast.model.SigmaGPT` to the sampler's conditionals protocol."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, backend: Optional[str] = None) -> None:
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.block_size = model.config.block_size
+        param = next(model.parameters())
+        self.backend = backend or kernels.backend_for(param)
+
+    def new_session(self, batch_size: int, seq_len: int) -> "NeuralSession":
+        """Empty static buffers for ``batch_size`` rows of ``seq_len`` positions."""
+        return NeuralSession(self.model, batch_size, seq_len, self.backend)
 
     def prefill(self, canvas: torch.Tensor, known: torch.Tensor) -> "NeuralSession":
-        """Feed each row's known tokens in ascending position order (one forward when any is known)."""
-        model, cfg = self.model, self.model.config
-        B, T = canvas.shape
-        param = next(model.parameters())
-        cache = KVCache(cfg.n_layer, B, cfg.n_head, T, cfg.head_dim, dtype=param.dtype, device=param.device)
-        last_tok = torch.full((B,), cfg.bos_token_id, dtype=torch.long, device=canvas.device)
-        last_pos = torch.full((B,), cfg.start_pos, dtype=torch.long, device=canvas.device)
-        session = NeuralSession(model, cache, last_tok, last_pos)
-        n_known = known.sum(1)
-        m = int(n_known.max())
-        if m > 0:
-            order = (~known).to(torch.int8).argsort(dim=1, stable=True)[:, :m]  # (B, m) known first, ascending
-            session.forward_orders(order[:, None], canvas.gather(1, order)[:, None])
-            session.commit(torch.zeros(B, dtype=torch.long, device=canvas.device), n_known, canvas, known)
+        session = self.new_session(*canvas.shape)
+        session.prefill(canvas, known)
         return session
 
 
 class NeuralSession:
-    """Cache state of one sampling call."""
+    """Static state of one sampling call: canvas, known mask, KV cache and last token."""
 
-    def __init__(self, model, cache: KVCache, last_tok: torch.Tensor, last_pos: torch.Tensor) -> None:
+    def __init__(self, model, batch_size: int, seq_len: int, backend: str) -> None:
+        cfg = model.config
+        param = next(model.parameters())
+        device = param.device
         self.model = model
-        self.cache = cache
-        self.last_tok = last_tok  # (B,)
-        self.last_pos = last_pos  # (B,)
-        self._pending: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        self.backend = backend
+        self.cache = KVCache(cfg.n_layer, batch_size, cfg.n_head, seq_len, cfg.head_dim, dtype=param.dtype,
+                             device=device)
+        self.canvas = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        self.known = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+        self.last_tok = torch.full((batch_size,), cfg.bos_token_id, dtype=torch.long, device=device)
+        self.last_pos = torch.full((batch_size,), cfg.start_pos, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.canvas.shape[0]
+
+    def prefill(self, canvas: torch.Tensor, known: torch.Tensor) -> None:
+        """Load the first rows of the buffers with ``canvas``/``known`` (B' <= B; the other rows are
+        complete padding) and feed each row's known tokens in ascending position order."""
+        cfg = self.model.config
+        n = canvas.shape[0]
+        self.cache.lens.zero_()
+        self.canvas.zero_()
+        self.known.fill_(True)
+        self.canvas[:n].copy_(canvas)
+        self.known[:n].copy_(known)
+        self.last_tok.fill_(cfg.bos_token_id)
+        self.last_pos.fill_(cfg.start_pos)
+        n_known = torch.zeros_like(self.cache.lens)
+        n_known[:n] = known.sum(1)
+        m = int(n_known.max())  # the prefill's one host read
+        if m > 0:
+            order = (~self.known).to(torch.int8).argsort(dim=1, stable=True)[:, :m]  # (B, m) known first
+            verified = self.verify(order[:, None], self.canvas.gather(1, order)[:, None])
+            self.commit(verified, torch.zeros_like(n_known), n_known)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only the given rows (B',) of the batch."""
+        """Keep only the given rows (B',) of the batch (drops the static buffers: never under a graph)."""
         self.cache.select(rows)
+        self.canvas, self.known = self.canvas[rows], self.known[rows]
         self.last_tok, self.last_pos = self.last_tok[rows], self.last_pos[rows]
 
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
@@ -79,9 +119,9 @@ class NeuralSession:
 
         def attend(i, q, k, v):  # (B, H, R, D)
             k_cache, v_cache = cache.layer(i)
-            return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens)
+            return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        return _logits_dtype(model.lm_head(model.run_layers(x, attend)))
+        return self.head(model.run_layers(x, attend))
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -90,21 +130,10 @@ class NeuralSession:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits (float32 for 16-bit models)."""
-        return _logits_dtype(self.model.lm_head(h))
+        return float_logits(self.model.lm_head(h))
 
-    def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """(B, O, R) orders and draft tokens in visiting order -> (B, O, R, V) verifier logits."""
-        return self.head(self.verify_hidden(orders, drafts))
-
-    def verify_hidden(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """:meth:`verify` before the LM head: (B, O, R, C) final hidden states, so that the
-        acceptance kernel can score drafts without writing the (B, O, R, V) logits."""
-        return self.forward_orders(orders, drafts)
-
-    def forward_orders(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """Feed ``[last, drafts[:-1]]`` along each order; keep each layer's k, v for :meth:`commit`.
-
-        Returns the (B, O, R, C) final hidden states."""
+    def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> Verified:
+        """Feed ``[last, drafts[:-1]]`` along each of the (B, O, R) orders, causal within each order."""
         B, O, R = orders.shape
         model, cache = self.model, self.cache
         tokens = torch.cat([self.last_tok[:, None, None].expand(B, O, 1), drafts[..., :-1]], dim=-1)
@@ -116,22 +145,22 @@ class NeuralSession:
             keys.append(k)
             values.append(v)
             k_cache, v_cache = cache.layer(i)
-            return kernels.verify_attention(q, k, v, k_cache, v_cache, cache.lens)
+            return kernels.verify_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        h = model.run_layers(x, attend)
-        self._pending = (orders, torch.stack(keys), torch.stack(values))  # (n_layer, B, O, H, R, D)
-        return h
+        hidden = model.run_layers(x, attend)
+        return Verified(orders, hidden, None, tuple(keys), tuple(values))
 
-    def commit(self, choice: torch.Tensor, n: torch.Tensor, canvas: torch.Tensor, known: torch.Tensor) -> None:
-        """Append the first ``n[b]`` inputs of order ``choice[b]`` of the last verify; the token at
-        that order's step ``n[b] - 1`` (read from the updated ``canvas``) becomes the last token."""
-        orders, k, v = self._pending
+    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:
+        """Append the first ``n[b]`` inputs of order ``choice[b]`` of ``verified``; the token at that
+        order's step ``n[b] - 1`` (read from the updated canvas) becomes the last token."""
+        orders = verified.orders
         B = orders.shape[0]
         rows = torch.arange(B, device=orders.device)
-        self.cache.append(k[:, rows, choice], v[:, rows, choice], n)  # (n_layer, B, H, R, D)
+        k = torch.stack([k_i[rows, choice] for k_i in verified.keys])  # (n_layer, B, H, R, D)
+        v = torch.stack([v_i[rows, choice] for v_i in verified.values])
+        self.cache.append(k, v, n)
         chosen = orders[rows, choice]  # (B, R)
         pos = chosen.gather(1, (n - 1).clamp_min(0)[:, None]).squeeze(1)
         moved = n > 0
-        self.last_pos = torch.where(moved, pos, self.last_pos)
-        self.last_tok = torch.where(moved, canvas.gather(1, pos[:, None]).squeeze(1), self.last_tok)
-        self._pending = None
+        self.last_pos.copy_(torch.where(moved, pos, self.last_pos))
+        self.last_tok.copy_(torch.where(moved, self.canvas.gather(1, pos[:, None]).squeeze(1), self.last_tok))

@@ -7,13 +7,20 @@ KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
 
     conds.vocab_size, conds.block_size
     session = conds.prefill(canvas (B, T), known (B, T))   # known tokens, ascending positions
+    session.canvas, session.known                           # (B, T), updated in place by the steps
     session.draft(positions (B, R)) -> (B, R, V)            # p(x_j | visited) for each j
-    session.verify(orders (B, O, R), drafts (B, O, R)) -> (B, O, R, V)
-        # step k of order o: q(x_ok | visited, x̃_o0 … x̃_o(k-1))
-    session.commit(choice (B,), n (B,), canvas, known)      # order choice[b]'s first n[b] steps
+    session.verify(orders (B, O, R), drafts (B, O, R)) -> Verified
+        # step k of order o: q(x_ok | visited, x̃_o0 … x̃_o(k-1)), as logits or hidden states
+    session.commit(verified, choice (B,), n (B,))           # order choice[b]'s first n[b] steps
     session.select(rows (B',))                              # keep only these rows (drop finished ones)
 
-Randomness protocol (shared with :mod:`sigmafast.reference`). Every draw is an
+The steps themselves are :mod:`sigmafast.steps` (static shapes, no host
+read); :mod:`sigmafast.runner` runs them eagerly or as CUDA graphs. The
+loops below read one value per burst iteration on the host (the largest
+remaining count, which ends the loop and picks the R bucket) and, for
+autoregressive sampling, one in all (the number of steps).
+
+Randomness protocol (shared with :mod:`sigmafast.naive`). Every draw is an
 explicit float64 tensor from the user's ``generator`` (the global CPU RNG when
 None), drawn on the generator's device and moved to the canvas' device,
 always over all T positions and indexed by position, so padding and finished
@@ -48,15 +55,22 @@ from typing import Callable, Optional
 
 import torch
 
-from . import kernels
 from .engine import NeuralConditionals
-from .request import SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt, prepare
+from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
+                      prepare)
+from .runner import Engine, runner_for
+from .steps import ARPlan
 
-__all__ = ["generate", "conditional_density", "log_likelihood", "as_conditionals", "SampleStats"]
+__all__ = ["generate", "warmup", "conditional_density", "log_likelihood", "SampleStats"]
+
+
+def _model_of(model):
+    return model.model if isinstance(model, Engine) else model
 
 
 def as_conditionals(model):
     """A SigmaGPT wrapped in its cached adapter; an oracle is returned as is."""
+    model = _model_of(model)
     if is_sigma_gpt(model):
         return NeuralConditionals(model)
     if hasattr(model, "prefill"):
@@ -82,6 +96,8 @@ def generate(
 ):
     """Sample the unknown positions of a canvas; returns (B, T) tokens [and :class:`SampleStats`].
 
+    ``model`` is a SigmaGPT, an :class:`~sigmafast.runner.Engine` (see :func:`warmup`) or an oracle.
+
     - Prompt: ``idx`` (B, P) at positions 0..P-1 plus ``max_new_tokens`` -> (B, P + max_new_tokens).
     - Infilling: ``idx`` (B, T) canvas and ``known`` (B, T) bool (may differ per row);
       known tokens are returned unchanged.
@@ -93,20 +109,21 @@ def generate(
     "left-to-right", "fractal" or a (B, T) tensor). ``on_iteration(canvas,
     known)``, when given, is called after every iteration (it may sync).
     """
-    req = prepare(model, idx, max_new_tokens, temperature, top_k, known, strategy, order, num_orders,
+    target = _model_of(model)
+    req = prepare(target, idx, max_new_tokens, temperature, top_k, known, strategy, order, num_orders,
                   acceptance, generator)
     t0 = time.perf_counter()
-    conds = as_conditionals(model)
+    runner = runner_for(model)
     canvas, known_now = req.canvas.clone(), req.known.clone()
     autoregressive = req.strategy == "autoregressive"
-    with torch.no_grad(), eval_mode(model):
+    with torch.no_grad(), eval_mode(target):
         if bool(known_now.all()):  # nothing to sample: no model call
             accepted, lengths, calls, prefill_calls = [], None if autoregressive else [], 0, 0
         else:
-            session = conds.prefill(canvas, known_now)
+            session = runner.start(canvas, known_now)
             prefill_calls = int(bool(known_now.any()))
             run = _autoregressive if autoregressive else _burst
-            accepted, lengths, calls = run(session, req, canvas, known_now, on_iteration)
+            accepted, lengths, calls = run(runner, session, req, canvas, known_now, on_iteration)
     if canvas.is_cuda:
         torch.cuda.synchronize(canvas.device)  # wall time of the finished work
     stats = build_stats(accepted, lengths, canvas.shape[0], canvas.device, prefill_calls + calls,
@@ -114,8 +131,35 @@ def generate(
     return (canvas, stats) if return_stats else canvas
 
 
-def _autoregressive(session, req, canvas, known, on_iteration):
-    """One token per call: the last token is queried at the next position and its k, v committed."""
+def _pad_rows(t: torch.Tensor, live: Optional[torch.Tensor], size: int) -> torch.Tensor:
+    """Rows ``live`` of a full-batch tensor (all rows when None), zero-padded to ``size`` rows."""
+    if live is not None:
+        t = t[live]
+    if t.shape[0] == size:
+        return t
+    return torch.cat([t, t.new_zeros(size - t.shape[0], *t.shape[1:])])
+
+
+def _write_back(canvas, known, live, session) -> None:
+    """Copy the working rows of the session into the full-batch canvas and mask."""
+    n = canvas.shape[0] if live is None else live.shape[0]
+    if live is None:
+        canvas.copy_(session.canvas[:n])
+        known.copy_(session.known[:n])
+    else:
+        canvas.index_copy_(0, live, session.canvas[:n])
+        known.index_copy_(0, live, session.known[:n])
+
+
+def _per_row(values: torch.Tensor, live: Optional[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """(B,) full-batch counts from the working rows' values (0 for dropped rows)."""
+    if live is None:
+        return values[:batch_size]
+    return values.new_zeros(batch_size).index_copy(0, live, values[: live.shape[0]])
+
+
+def _autoregressive(runner, session, req, canvas, known, on_iteration):
+    """One token per step in each row's visiting order, with no host read inside the loop."""
     B, T = canvas.shape
     device = canvas.device
     is_random = isinstance(req.order, str) and req.order == "random"
@@ -125,131 +169,104 @@ def _autoregressive(session, req, canvas, known, on_iteration):
     rank = ar_rank(req.order, keys, B, T, device)
     visit = torch.where(known, (positions - T).to(rank.dtype), rank).argsort(dim=1, stable=True)  # (B, T)
     n_known = known.sum(1)
-    remaining = T - n_known
-    n_steps = int(remaining.max())
-    zeros = torch.zeros(B, dtype=torch.long, device=device)
-    accepted = []
-    for s in range(n_steps):
-        active = remaining > s  # (B,)
-        j = visit.gather(1, (n_known + s).clamp(max=T - 1)[:, None])  # (B, 1)
-        logits = session.verify(j[:, None], canvas.gather(1, j)[:, None])[:, 0, 0]  # (B, V)
-        tok, _ = kernels.sample(logits, u.gather(1, j).squeeze(1), req.temperature, req.top_k)
-        tok = torch.where(active, tok, canvas.gather(1, j).squeeze(1))
-        canvas.scatter_(1, j, tok[:, None])
-        known.scatter_(1, j, known.gather(1, j) | active[:, None])
-        step = active.long()
-        session.commit(zeros, step, canvas, known)
-        accepted.append(step)
+    todo = T - n_known  # (B,)
+    n_steps = int(todo.max())  # the loop's one host read
+    size = session.batch_size
+    plan = ARPlan(
+        _pad_rows(visit, None, size), _pad_rows(u, None, size), _pad_rows(n_known, None, size),
+        _pad_rows(todo, None, size), torch.zeros((), dtype=torch.long, device=device),
+    )
+    plan = runner.static(session, "ar", plan)
+    for _ in range(n_steps):
+        runner.ar(session, plan, req.temperature, req.top_k)
         if on_iteration is not None:
+            _write_back(canvas, known, None, session)
             on_iteration(canvas, known)
+    _write_back(canvas, known, None, session)
+    accepted = [(todo > s).long() for s in range(n_steps)]
     return accepted, None, n_steps
 
 
-def _burst(session, req, canvas, known, on_iteration):
+def _burst(runner, session, req, canvas, known, on_iteration):
     """Draft, verify, accept, commit until every row is complete.
 
-    Rows that are finished are dropped from the working batch once they are at
-    least half of it (a row gather of the cache, at most log2(B) times), using
-    the counts read by the iteration's single host read.
+    Exact-shape runners drop finished rows once they are at least half of the
+    working batch (a row gather of the cache, at most log2(B) times); bucketed
+    ones keep the batch static and mask finished rows.
     """
     B, T = canvas.shape
     device = canvas.device
-    live = torch.arange(B, device=device)  # full-batch row of each working row
-    work_canvas, work_known = canvas, known
-    remaining = (~known).sum(1)  # (B_work,)
+    live = None  # full-batch row of each working row; None while they are rows 0..B-1
+    left = (~session.known).sum(1)
+    status = torch.stack([left.max(), (left > 0).sum()])
     accepted, lengths, calls = [], [], 0
     while True:
-        counts = remaining.tolist()  # the iteration's single host read
-        if max(counts) == 0:
+        max_left, n_live = status.tolist()  # the iteration's single host read
+        if max_left == 0:
             break
-        n_live = sum(c > 0 for c in counts)
-        if n_live <= len(counts) // 2:
-            keep = (remaining == 0).to(torch.int8).argsort(stable=True)[:n_live]  # unfinished rows, in order
-            _write_back(canvas, known, live, work_canvas, work_known)
-            live, work_canvas, work_known, remaining = live[keep], work_canvas[keep], work_known[keep], remaining[keep]
+        n_work = B if live is None else live.shape[0]
+        if runner.compacts and n_live <= n_work // 2:
+            keep = ((~session.known).sum(1) == 0).to(torch.int8).argsort(stable=True)[:n_live]  # unfinished, in order
+            _write_back(canvas, known, live, session)
+            live = keep if live is None else live[keep]
             session.select(keep)
         d = draw_burst(req.generator, B, req.num_orders, T, device)
-        if work_canvas is not canvas:
-            d = type(d)(*(t[live] for t in d))
+        d = BurstDraws(*(_pad_rows(t, live, session.batch_size) for t in d))
+        R = runner.r_bucket(max_left, T)
+        n_commit, n, status = runner.burst(session, d, R, req.temperature, req.top_k, req.acceptance)
         calls += 2
-        n_commit, n = _burst_step(session, req, work_canvas, work_known, remaining, d, max(counts))
-        remaining = remaining - n_commit
-        zeros = torch.zeros(B, dtype=torch.long, device=device)
-        accepted.append(zeros.index_copy(0, live, n_commit))
-        lengths.append(zeros.index_copy(0, live, n))
+        accepted.append(_per_row(n_commit, live, B))
+        lengths.append(_per_row(n, live, B))
         if on_iteration is not None:
-            _write_back(canvas, known, live, work_canvas, work_known)
+            _write_back(canvas, known, live, session)
             on_iteration(canvas, known)
-    _write_back(canvas, known, live, work_canvas, work_known)
+    _write_back(canvas, known, live, session)
     return accepted, lengths, calls
 
 
-def _write_back(canvas, known, live, work_canvas, work_known) -> None:
-    if work_canvas is not canvas:
-        canvas.index_copy_(0, live, work_canvas)
-        known.index_copy_(0, live, work_known)
+def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num_orders: int = 5,
+           acceptance: str = "paper", temperature: float = 1.0, top_k: Optional[int] = None) -> Engine:
+    """Compile and capture, ahead of time, the steps that :func:`generate` will run for calls with
+    these settings, ``batch_size`` rows and canvases of ``seq_len`` tokens; returns the engine to pass
+    to ``generate`` in place of the model. ``generate`` works without it (it captures on the fly)."""
+    engine = model if isinstance(model, Engine) else Engine.for_model(model)
+    target = engine.model
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    device = next(target.parameters()).device
+    idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+    req = prepare(target, idx, seq_len, temperature, top_k, None, strategy, "random", num_orders, acceptance, None)
+    if seq_len == 0:
+        return engine
+    g = torch.Generator(device="cpu").manual_seed(0)
+    B, T = req.canvas.shape
+    with torch.no_grad(), eval_mode(target):
+        if req.strategy == "autoregressive":
+            session = engine.start(req.canvas, req.known)
+            zeros = torch.zeros(B, dtype=torch.long, device=device)
+            plan = ARPlan(torch.arange(T, device=device).expand(B, T).contiguous(), draw(g, (B, T), device), zeros,
+                          zeros + T, zeros[0].clone())
+            plan = engine.static(session, "ar", _pad_plan(plan, session.batch_size))
+            for _ in range(2):  # eager (compiles), then captured
+                engine.ar(session, plan, req.temperature, req.top_k)
+            return engine
+        for R in sorted({engine.r_bucket(r, T) for r in range(1, T + 1)}):
+            session = engine.start(req.canvas, req.known)
+            for _ in range(2):
+                d = BurstDraws(*(_pad_rows(t, None, session.batch_size)
+                                 for t in draw_burst(g, B, req.num_orders, T, device)))
+                engine.burst(session, d, R, req.temperature, req.top_k, req.acceptance)
+    return engine
 
 
-def _burst_step(session, req, canvas, known, remaining, d, R: int):
-    """One iteration on the working batch; updates canvas and known in place.
-
-    Returns the committed counts (B,) and the chosen orders' accepted draft lengths (B,).
-    """
-    B, T = canvas.shape
-    O, temp, top_k = req.num_orders, req.temperature, req.top_k
-    device = canvas.device
-    rows = torch.arange(B, device=device)
-    steps = torch.arange(R, device=device)
-
-    # Draft: p(x_j | visited) at every remaining position (unknown first, ascending; then padding).
-    rem_pos = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
-    p_logits = session.draft(rem_pos)  # (B, R, V)
-    tok, logp = kernels.sample(p_logits.flatten(0, 1), d.u_draft.gather(1, rem_pos).flatten(), temp, top_k)
-    draft_tok = canvas.scatter(1, rem_pos, tok.view(B, R))  # (B, T) by position
-    draft_logp = torch.zeros(B, T, dtype=logp.dtype, device=device).scatter(1, rem_pos, logp.view(B, R))
-    slot = torch.zeros(B, T, dtype=torch.long, device=device).scatter(1, rem_pos, steps.expand(B, R))
-
-    # Verify O random orders of the remaining positions at once.
-    orders = d.keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]  # (B, O, R)
-    drafts = draft_tok[:, None, :].expand(B, O, T).gather(2, orders)
-    accept_args = (
-        drafts, draft_logp[:, None, :].expand(B, O, T).gather(2, orders),
-        d.u_accept[:, None, :].expand(B, O, T).gather(2, orders), remaining, temp, top_k, req.acceptance,
-    )
-    hidden = q_logits = None
-    if hasattr(session, "verify_hidden"):  # score drafts from hidden states: no (B, O, R, V) logits
-        hidden = session.verify_hidden(orders, drafts)  # (B, O, R, C)
-        res = kernels.acceptance_from_hidden(hidden, session.head_weight, *accept_args)
-    else:
-        q_logits = session.verify(orders, drafts)  # (B, O, R, V)
-        res = kernels.acceptance(q_logits, *accept_args)
-    choice = res.best if req.acceptance == "paper" else torch.zeros_like(res.best)
-    n = res.n_accept[rows, choice]  # (B,)
-    chosen = orders[rows, choice]  # (B, R)
-    new_tok = drafts[rows, choice]  # (B, R)
-    n_commit = n
-    if req.acceptance == "lossless":
-        rejected = n < remaining
-        k = n.clamp(max=R - 1)
-        j = chosen.gather(1, k[:, None]).squeeze(1)  # (B,) position of the first rejection
-        p_rows = p_logits[rows, slot.gather(1, j[:, None]).squeeze(1)]  # (B, V)
-        q_rows = session.head(hidden[rows, choice, k]) if hidden is not None else q_logits[rows, choice, k]
-        r_tok = kernels.residual_sample(q_rows, p_rows,
-                                        d.u_residual.gather(1, j[:, None]).squeeze(1), temp, top_k)
-        new_tok = torch.where((steps[None, :] == k[:, None]) & rejected[:, None], r_tok[:, None], new_tok)
-        n_commit = n + rejected.long()
-
-    # Commit: the chosen order's first n_commit steps.
-    take = steps[None, :] < n_commit[:, None]  # (B, R)
-    canvas.scatter_(1, chosen, torch.where(take, new_tok, canvas.gather(1, chosen)))
-    known.scatter_(1, chosen, take | known.gather(1, chosen))
-    session.commit(choice, n_commit, canvas, known)
-    return n_commit, n
+def _pad_plan(plan: ARPlan, size: int) -> ARPlan:
+    return ARPlan(*(_pad_rows(t, None, size) for t in plan[:4]), plan.step)
 
 
 def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
     """(B, T, V) probabilities p(x_j | known) for every unknown j in one burst forward; one-hot
     on known positions. Known tokens are fed in ascending position order."""
+    model = _model_of(model)
     req = prepare(model, idx, None, 1.0, None, known, "burst", "random", 1, "paper", None)
     B, T = req.canvas.shape
     conds = as_conditionals(model)
@@ -268,6 +285,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
     from . import orders as orders_mod
     from .request import check_order_tensor
 
+    model = _model_of(model)
     full = torch.ones_like(idx, dtype=torch.bool) if isinstance(idx, torch.Tensor) else None
     req = prepare(model, idx, None, 1.0, None, full, "burst", "random", 1, "paper", None)
     x = req.canvas
@@ -288,7 +306,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
         else:
             session = model.prefill(x, torch.zeros_like(x, dtype=torch.bool))
             targets = x.gather(1, order)
-            logits = session.verify(order[:, None], targets[:, None])[:, 0]
+            logits = session.verify(order[:, None], targets[:, None]).logits[:, 0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)

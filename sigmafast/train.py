@@ -153,7 +153,7 @@ def _numeric_metrics(metrics) -> bool:
 @torch.no_grad()
 def sample_validity(model: SigmaGPT, task, canvas: torch.Tensor, seed: int, device) -> dict:
     """``task.evaluate`` of sequences sampled autoregressively (random order) around the task's prompt."""
-    from .reference import generate
+    from .naive import generate
 
     known = task.prompt_mask.to(device).expand(canvas.shape)  # (N, T)
     g = torch.Generator(device=device).manual_seed(seed)

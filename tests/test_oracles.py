@@ -52,7 +52,7 @@ def test_oracle_conditionals_match_enumeration(name, kwargs):
     draft = session.draft(positions).exp()
     orders = torch.rand(B, O, T, generator=g).argsort(-1)
     drafts = torch.randint(0, task.vocab_size - 1, (B, O, T), generator=g)
-    verify = session.verify(orders, drafts).exp()
+    verify = session.verify(orders, drafts).logits.exp()
     dens = sigmafast.conditional_density(oracle, canvas, known)
     checked = 0
     for b in range(B):

@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_model
 
 import sigmafast
-import sigmafast.reference as naive
+import sigmafast.naive as naive
 
 T = 8
 VOCAB = 5
@@ -254,7 +254,9 @@ SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "non
 
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
     ("autoregressive", "paper", 1), ("burst", "paper", 3), ("burst", "lossless", 1)])
-def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, strategy, acceptance, num_orders):
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
+def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, strategy, acceptance, num_orders,
+                                                           buckets):
     """Host reads of tensor values (syncs on a GPU) in the loop: one per burst iteration (the remaining
     count, plus the final one that ends the loop), one in total for autoregressive sampling."""
     from sigmafast import sampler
@@ -265,7 +267,8 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
     req = prepare(model, idx, None, 1.0, None, known, strategy, "random", num_orders, acceptance,
                   torch.Generator().manual_seed(2))
     canvas, known_now = req.canvas.clone(), req.known.clone()
-    session = sampler.as_conditionals(model).prefill(canvas, known_now)
+    runner = sigmafast.Engine(model, buckets=buckets)
+    session = runner.start(canvas, known_now)
     reads = []
     for name in SYNCS:
         original = getattr(torch.Tensor, name)
@@ -277,7 +280,7 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
         monkeypatch.setattr(torch.Tensor, name, counted)
     run = sampler._autoregressive if strategy == "autoregressive" else sampler._burst
     with torch.no_grad():
-        accepted, _, _ = run(session, req, canvas, known_now, None)
+        accepted, _, _ = run(runner, session, req, canvas, known_now, None)
     monkeypatch.undo()
     expected = 1 if strategy == "autoregressive" else len(accepted) + 1
     assert len(reads) == expected, reads

@@ -152,11 +152,11 @@ def test_log_lines(tmp_path, caplog):
 
 
 def test_validity_metric_from_sampled_sequences(tmp_path, monkeypatch):
-    import sigmafast.reference
+    import sigmafast.naive
 
     valid = get_task("step", seq_len=12).sample_batch(4, "val", torch.Generator().manual_seed(0))
     outs = iter([valid, torch.zeros_like(valid)])  # all-zero step rows are invalid
-    monkeypatch.setattr(sigmafast.reference, "generate", lambda *a, **k: next(outs))
+    monkeypatch.setattr(sigmafast.naive, "generate", lambda *a, **k: next(outs))
     result = train(small_cfg(tmp_path, task="step", seq_len=12, max_iters=2, eval_interval=2, num_eval_samples=4))
     assert [r["sample_valid"] for r in result.history] == [1.0, 0.0]
 

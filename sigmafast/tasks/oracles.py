@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..engine import Verified
+
 NEG_INF = float("-inf")
 
 
@@ -55,10 +57,17 @@ class Oracle:
 
 
 class OracleSession:
+    """An oracle's side of the sampler's session protocol (see :mod:`sigmafast.engine`): it owns the
+    canvas and known mask that the sampler updates in place, so committing needs no work."""
+
     def __init__(self, oracle: Oracle, canvas: torch.Tensor, known: torch.Tensor) -> None:
         self.oracle = oracle
         self.canvas = canvas.clone()
         self.known = known.clone()
+
+    @property
+    def batch_size(self) -> int:
+        return self.canvas.shape[0]
 
     def select(self, rows: torch.Tensor) -> None:
         self.canvas, self.known = self.canvas[rows], self.known[rows]
@@ -66,14 +75,13 @@ class OracleSession:
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         return self.oracle.logits(self.canvas, self.known, positions)
 
-    def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> Verified:
         """Step k of order o conditions on the known tokens and drafts at steps < k."""
         p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts)
-        return self.oracle._to_logits(p)
+        return Verified(orders, None, self.oracle._to_logits(p), (), ())
 
-    def commit(self, choice, n, canvas: torch.Tensor, known: torch.Tensor) -> None:
-        self.canvas = canvas.clone()
-        self.known = known.clone()
+    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:
+        """Nothing to do: the conditionals read the canvas, which the sampler already updated."""
 
 
 class ProductOracle(Oracle):

@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_model
 
 import sigmafast
-import sigmafast.reference as naive
+import sigmafast.naive as naive
 
 T = 8
 VOCAB = 5
@@ -34,11 +34,12 @@ def _inputs(kind: str, batch: int):
     return canvas, dict(known=known)
 
 
-def _assert_same(model, idx, **kwargs):
+def _assert_same(model, idx, engine=None, **kwargs):
+    """The cached sampler (through ``engine`` when given) and the naive one agree on everything."""
     outs, after = [], []
-    for fn in (sigmafast.generate, naive.generate):
+    for fn, target in ((sigmafast.generate, engine or model), (naive.generate, model)):
         g = torch.Generator().manual_seed(1234)
-        outs.append(fn(model, idx, generator=g, return_stats=True, **kwargs))
+        outs.append(fn(target, idx, generator=g, return_stats=True, **kwargs))
         after.append(torch.rand(1, generator=g))
     (fast, s_fast), (slow, s_slow) = outs
     assert torch.equal(after[0], after[1])  # both consumed the same random stream
@@ -57,13 +58,20 @@ ORDERS = ["random", "left-to-right", "fractal", "tensor"]
 KINDS = ["unconditional", "prompt", "infill"]
 
 
+@pytest.fixture(params=["exact", "bucketed"])
+def engine(request, model):
+    """The CPU default (exact shapes, finished rows dropped) and the GPU default (batch padded to a
+    power of two, R to a bucket, finished rows masked)."""
+    return sigmafast.Engine(model, buckets=request.param == "bucketed")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("order", ORDERS)
-def test_autoregressive_matches_naive(model, order, kind, batch=3):
+def test_autoregressive_matches_naive(model, engine, order, kind, batch=3):
     idx, kwargs = _inputs(kind, batch)
     if order == "tensor":
         order = torch.rand(batch, T, generator=torch.Generator().manual_seed(5)).argsort(1)
-    _, stats = _assert_same(model, idx, strategy="autoregressive", order=order, **kwargs)
+    _, stats = _assert_same(model, idx, engine, strategy="autoregressive", order=order, **kwargs)
     assert stats.burst_lengths is None
 
 
@@ -80,9 +88,9 @@ SETTINGS = [
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("acceptance,num_orders,temperature,top_k", SETTINGS)
-def test_burst_matches_naive(model, acceptance, num_orders, temperature, top_k, kind, batch=3):
+def test_burst_matches_naive(model, engine, acceptance, num_orders, temperature, top_k, kind, batch=3):
     idx, kwargs = _inputs(kind, batch)
-    _assert_same(model, idx, acceptance=acceptance, num_orders=num_orders, temperature=temperature,
+    _assert_same(model, idx, engine, acceptance=acceptance, num_orders=num_orders, temperature=temperature,
                  top_k=top_k, **kwargs)
 
 
@@ -92,9 +100,9 @@ def test_burst_matches_naive(model, acceptance, num_orders, temperature, top_k, 
     pytest.param("burst", "paper", 3, id="paper-O3"),
     pytest.param("burst", "lossless", 1, id="lossless"),
 ])
-def test_batch_of_one_matches_naive(model, strategy, acceptance, num_orders, kind):
+def test_batch_of_one_matches_naive(model, engine, strategy, acceptance, num_orders, kind):
     idx, kwargs = _inputs(kind, 1)
-    _assert_same(model, idx, strategy=strategy, acceptance=acceptance, num_orders=num_orders, **kwargs)
+    _assert_same(model, idx, engine, strategy=strategy, acceptance=acceptance, num_orders=num_orders, **kwargs)
 
 
 def test_burst_takes_several_iterations_with_ragged_counts(model):
@@ -158,3 +166,31 @@ def test_dropping_finished_rows_matches_naive(model, monkeypatch, acceptance, nu
     _, stats = _assert_same(model, idx, known=known, acceptance=acceptance, num_orders=num_orders)
     assert selected and selected[0] == [1, 4]
     assert stats.iterations.tolist()[0] == 1 and stats.iterations[1] > 1
+
+
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [
+    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("burst", "paper", 2, id="paper-O2"),
+    pytest.param("burst", "lossless", 1, id="lossless"),
+])
+def test_every_bucket_matches_naive(strategy, acceptance, num_orders):
+    """T = 40: remaining counts run through the buckets 40 (the cap), 32 and 16, and a batch of 5 is
+    padded to 8 rows; the tokens and statistics stay the naive reference's."""
+    from sigmafast import steps
+
+    length = 40
+    model = tiny_model(VOCAB, length, seed=4, std=0.5, n_embd=16)
+    engine = sigmafast.Engine(model, buckets=True)
+    used = []
+    real = steps.burst_step
+    known = torch.rand(5, length, generator=torch.Generator().manual_seed(8)) < 0.2
+    known[0] = False
+    idx = torch.randint(0, VOCAB, (5, length), generator=torch.Generator().manual_seed(9))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steps, "burst_step", lambda session, d, R, *a: used.append((session.batch_size, R))
+                   or real(session, d, R, *a))
+        _assert_same(model, idx, engine, known=known, strategy=strategy, acceptance=acceptance,
+                     num_orders=num_orders)
+    if strategy == "burst":
+        assert {b for b, _ in used} == {8}
+        assert {R for _, R in used} >= {40, 16}, used

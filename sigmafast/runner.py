@@ -1,0 +1,192 @@
+"""Who runs the sampler's steps: eagerly for an oracle, or through an :class:`Engine` for a σ-GPT.
+
+An :class:`Engine` owns, per model:
+
+- **bucketed static shapes**: the batch is padded to a power of two (padding
+  rows are complete) and the remaining count R to :func:`~sigmafast.steps.bucket`
+  (powers of two from 16, capped at T), so a handful of shapes cover every call;
+- **reusable sessions**: one set of static buffers (canvas, mask, full-length
+  KV cache, draw buffers) per (backend, batch bucket, T), reset by each call;
+- **CUDA graphs** (on CUDA): a step whose key (shapes, sampling settings) was
+  already run once eagerly, which compiled its Triton kernels, is captured
+  the second time and replayed from then on. Replays need no host work but
+  copying the iteration's random draws into the static buffers.
+
+Without buckets (the CPU default, where padding only costs time) the engine
+runs exact shapes eagerly and drops finished rows once they are half of the
+batch. :func:`warmup` captures every step a call will need ahead of time.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from . import kernels, steps
+from .engine import NeuralSession
+from .request import BurstDraws, is_sigma_gpt
+
+__all__ = ["Engine", "EagerRunner", "runner_for"]
+
+
+def batch_bucket(n: int) -> int:
+    """The next power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class EagerRunner:
+    """Runs the steps as plain calls on any session (oracles): exact shapes, finished rows dropped."""
+
+    buckets = False
+
+    def __init__(self, conds) -> None:
+        self.conds = conds
+
+    @property
+    def compacts(self) -> bool:
+        return not self.buckets
+
+    def start(self, canvas: torch.Tensor, known: torch.Tensor):
+        return self.conds.prefill(canvas, known)
+
+    def r_bucket(self, remaining: int, seq_len: int) -> int:
+        return steps.bucket(remaining, seq_len) if self.buckets else remaining
+
+    def static(self, session, kind: str, tensors: tuple) -> tuple:
+        """The tensors a step reads, as the session's static buffers when steps are captured."""
+        return tensors
+
+    def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
+        return steps.burst_step(session, d, R, temperature, top_k, rule)
+
+    def ar(self, session, plan: steps.ARPlan, temperature, top_k) -> None:
+        steps.ar_step(session, plan, temperature, top_k)
+
+
+class _Graphs:
+    """Run a step eagerly the first time its key is seen, capture it the second time, then replay."""
+
+    def __init__(self) -> None:
+        self.graphs: dict = {}
+        self.seen: set = set()
+        self.pool = None
+
+    def run(self, key, fn: Callable, capture_now: bool = False):
+        entry = self.graphs.get(key)
+        if entry is not None:
+            entry[0].replay()
+            return entry[1]
+        if key not in self.seen and not capture_now:
+            self.seen.add(key)
+            return fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.pool = graph.pool()  # one memory pool for every step: outputs are cloned after each replay
+        self.graphs[key] = (graph, out)
+        if not capture_now:
+            graph.replay()
+        return out
+
+
+class Engine(EagerRunner):
+    """Bucketed static shapes, reusable sessions and CUDA-graph replay for one :class:`SigmaGPT`.
+
+    ``buckets`` and ``cuda_graphs`` default to True on CUDA and False elsewhere;
+    ``cuda_graphs`` needs ``buckets`` and a CUDA model. Pass the engine to
+    :func:`sigmafast.generate` in place of the model, or let ``generate`` use
+    :meth:`for_model`'s engine.
+    """
+
+    _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None) -> None:
+        if not is_sigma_gpt(model):
+            raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
+        on_cuda = next(model.parameters()).is_cuda
+        self.model = model
+        self.buckets = on_cuda if buckets is None else bool(buckets)
+        self.cuda_graphs = (on_cuda and self.buckets) if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and not (on_cuda and self.buckets):
+            raise ValueError("cuda_graphs=True needs a model on a CUDA device and buckets=True")
+        self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing
+        self._static: dict = {}  # (id(session), kind) -> static input buffers
+        self._graphs = _Graphs()
+        self._params = self._fingerprint()
+
+    @classmethod
+    def for_model(cls, model) -> "Engine":
+        """The engine ``generate`` uses for ``model``: kept with the model while graphs are worth keeping
+        (on CUDA), a fresh one otherwise."""
+        engine = cls._by_model.get(model)
+        if engine is None:
+            engine = cls(model)
+            if engine.cuda_graphs:
+                cls._by_model[model] = engine
+        return engine
+
+    def _fingerprint(self) -> tuple:
+        return tuple((t.data_ptr(), t.dtype) for t in (*self.model.parameters(), *self.model.buffers()))
+
+    @property
+    def backend(self) -> str:
+        return kernels.backend_for(next(self.model.parameters()))
+
+    def start(self, canvas: torch.Tensor, known: torch.Tensor) -> NeuralSession:
+        """Prefill a session of the (bucketed) batch size with ``canvas`` and ``known`` (B, T)."""
+        if self._fingerprint() != self._params:  # moved or replaced weights: captured graphs are stale
+            self._sessions.clear()
+            self._static.clear()
+            self._graphs = _Graphs()
+            self._params = self._fingerprint()
+        B, T = canvas.shape
+        size = batch_bucket(B) if self.buckets else B
+        backend = self.backend
+        if self.cuda_graphs:
+            session = self._sessions.get((backend, size, T))
+            if session is None:
+                session = self._sessions[(backend, size, T)] = NeuralSession(self.model, size, T, backend)
+        else:
+            session = NeuralSession(self.model, size, T, backend)
+        session.prefill(canvas, known)
+        return session
+
+    def static(self, session, kind: str, tensors: tuple) -> tuple:
+        if not self.cuda_graphs:
+            return tensors
+        key = (id(session), kind)
+        buffers = self._static.get(key)
+        if buffers is None:
+            buffers = self._static[key] = type(tensors)(*(t.clone() for t in tensors))
+        else:
+            for buf, t in zip(buffers, tensors):
+                buf.copy_(t, non_blocking=True)
+        return buffers
+
+    def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule, capture_now: bool = False):
+        if not self.cuda_graphs:
+            return steps.burst_step(session, d, R, temperature, top_k, rule)
+        d = self.static(session, f"burst{d.keys.shape[1]}", d)
+        key = ("burst", id(session), R, d.keys.shape[1], temperature, top_k, rule)
+        out = self._graphs.run(key, lambda: steps.burst_step(session, d, R, temperature, top_k, rule), capture_now)
+        return tuple(t.clone() for t in out)
+
+    def ar(self, session, plan: steps.ARPlan, temperature, top_k, capture_now: bool = False) -> None:
+        if not self.cuda_graphs:
+            steps.ar_step(session, plan, temperature, top_k)
+            return
+        key = ("ar", id(session), temperature, top_k)
+        self._graphs.run(key, lambda: steps.ar_step(session, plan, temperature, top_k), capture_now)
+
+
+def runner_for(model):
+    """The runner of a SigmaGPT (an engine), an :class:`Engine` itself, or an oracle (eager)."""
+    if isinstance(model, Engine):
+        return model
+    if is_sigma_gpt(model):
+        return Engine.for_model(model)
+    if hasattr(model, "prefill"):
+        return EagerRunner(model)
+    raise TypeError(f"model must be a SigmaGPT, an Engine or an oracle, got {type(model).__name__}")

@@ -1,0 +1,179 @@
+"""One sampling step as a function of static-shape tensors.
+
+Each function reads and updates a session in place (its canvas, known mask,
+KV cache and last token; see :mod:`sigmafast.engine`) and never reads a tensor
+value on the host, so that one burst iteration (:func:`burst_step`) or one
+autoregressive token (:func:`ar_step`) can be captured as a CUDA graph or
+traced by ``torch.compile(fullgraph=True)``. Shapes depend only on the batch
+B, the canvas length T, the number of orders O and the padded remaining count
+R (a bucket, see :func:`bucket`); rows that need fewer than R steps, and
+finished or padding rows, are handled by masks:
+
+- the remaining positions of a row come first in ``positions``, followed by
+  known positions whose drafts are never used;
+- acceptance counts steps only below each row's remaining count, so a
+  padded step is never accepted and never committed.
+
+The burst iteration is ``draft`` → ``verify`` → ``accept`` → (``residual``) →
+``commit``. See :mod:`sigmafast.sampler` for the randomness protocol.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import kernels
+from .engine import Verified
+from .kernels import Acceptance
+from .request import BurstDraws
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, cap: int) -> int:
+    """The static size used for ``n`` items: the next power of two >= 16, at most ``cap``."""
+    size = MIN_BUCKET
+    while size < n:
+        size *= 2
+    return min(size, cap)
+
+
+class Drafts(NamedTuple):
+    positions: torch.Tensor  # (B, R) remaining positions first, ascending, then padding
+    logits: torch.Tensor  # (B, R, V) draft logits p(x_j | visited)
+    tokens: torch.Tensor  # (B, T) the canvas with the drafts at the queried positions
+    logp: torch.Tensor  # (B, T) log p of each draft, by position
+    slot: torch.Tensor  # (B, T) index in ``positions`` of each queried position
+
+
+class ARPlan(NamedTuple):
+    """The static inputs of autoregressive sampling."""
+
+    visit: torch.Tensor  # (B, T) known positions (ascending), then the unknown ones in visiting order
+    u: torch.Tensor  # (B, T) float64 uniform of each position
+    n_known: torch.Tensor  # (B,) known count at the start
+    steps: torch.Tensor  # (B,) tokens to sample per row
+    step: torch.Tensor  # () int64 step counter, advanced in place by :func:`ar_step`
+
+
+def _backend(session) -> Optional[str]:
+    return getattr(session, "backend", None)
+
+
+def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Optional[int]) -> Drafts:
+    """Sample a draft at each of the first R remaining positions of every row."""
+    canvas, known = session.canvas, session.known
+    B, T = canvas.shape
+    positions = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
+    logits = session.draft(positions)  # (B, R, V)
+    tok, logp = kernels.sample(logits.flatten(0, 1), u_draft.gather(1, positions).flatten(), temperature, top_k,
+                               backend=_backend(session))
+    tokens = canvas.scatter(1, positions, tok.view(B, R))
+    logp = torch.zeros(B, T, dtype=logp.dtype, device=canvas.device).scatter(1, positions, logp.view(B, R))
+    steps = torch.arange(R, device=canvas.device).expand(B, R)
+    slot = torch.zeros(B, T, dtype=torch.long, device=canvas.device).scatter(1, positions, steps)
+    return Drafts(positions, logits, tokens, logp, slot)
+
+
+def orders_of(keys: torch.Tensor, known: torch.Tensor, R: int) -> torch.Tensor:
+    """(B, O, R) visiting orders: the remaining positions by increasing key, then known ones."""
+    return keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]
+
+
+def accept(session, verified: Verified, drafts: Drafts, u_accept: torch.Tensor, remaining: torch.Tensor,
+           temperature: float, top_k: Optional[int], rule: str) -> Acceptance:
+    """Test every order's drafts against the verifier (from hidden states when the session has them)."""
+    orders = verified.orders
+    B, O, R = orders.shape
+    T = drafts.tokens.shape[1]
+
+    def along(t: torch.Tensor) -> torch.Tensor:  # (B, T) by position -> (B, O, R) in visiting order
+        return t[:, None, :].expand(B, O, T).gather(2, orders)
+
+    args = (along(drafts.tokens), along(drafts.logp), along(u_accept), remaining, temperature, top_k, rule)
+    if verified.hidden is not None:
+        return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, backend=_backend(session))
+    return kernels.acceptance(verified.logits, *args, backend=_backend(session))
+
+
+def verifier_logits(session, verified: Verified, rows: torch.Tensor, choice: torch.Tensor,
+                    k: torch.Tensor) -> torch.Tensor:
+    """(B, V) verifier logits of step ``k[b]`` of order ``choice[b]``."""
+    if verified.hidden is not None:
+        return session.head(verified.hidden[rows, choice, k])
+    return verified.logits[rows, choice, k]
+
+
+def residual(session, verified: Verified, drafts: Drafts, choice: torch.Tensor, n: torch.Tensor,
+             remaining: torch.Tensor, u_residual: torch.Tensor, temperature: float,
+             top_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless rule: at the first rejection (step n < remaining) draw from normalize(max(0, q - p)).
+
+    Returns the (B,) residual tokens and the (B,) bool mask of rows that rejected."""
+    R = verified.orders.shape[-1]
+    rows = torch.arange(n.shape[0], device=n.device)
+    k = n.clamp(max=R - 1)
+    j = verified.orders[rows, choice].gather(1, k[:, None]).squeeze(1)  # (B,) position of the rejection
+    p_rows = drafts.logits[rows, drafts.slot.gather(1, j[:, None]).squeeze(1)]  # (B, V)
+    q_rows = verifier_logits(session, verified, rows, choice, k)
+    tok = kernels.residual_sample(q_rows, p_rows, u_residual.gather(1, j[:, None]).squeeze(1), temperature, top_k,
+                                  backend=_backend(session))
+    return tok, n < remaining
+
+
+def commit(session, verified: Verified, choice: torch.Tensor, n: torch.Tensor, new_tok: torch.Tensor) -> None:
+    """Write the first ``n[b]`` tokens ``new_tok`` (B, R) of order ``choice[b]`` and append their inputs."""
+    rows = torch.arange(n.shape[0], device=n.device)
+    R = verified.orders.shape[-1]
+    chosen = verified.orders[rows, choice]  # (B, R)
+    take = torch.arange(R, device=n.device)[None, :] < n[:, None]  # (B, R)
+    canvas, known = session.canvas, session.known
+    canvas.scatter_(1, chosen, torch.where(take, new_tok, canvas.gather(1, chosen)))
+    known.scatter_(1, chosen, take | known.gather(1, chosen))
+    session.commit(verified, choice, n)
+
+
+def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Optional[int],
+               rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One burst iteration over the whole batch, in place.
+
+    Returns the committed counts (B,), the chosen orders' accepted draft lengths (B,) and
+    ``status`` (2,) int64: the largest remaining count and the number of unfinished rows after it.
+    """
+    remaining = (~session.known).sum(1)  # (B,)
+    drafts = draft(session, d.u_draft, R, temperature, top_k)
+    orders = orders_of(d.keys, session.known, R)  # (B, O, R)
+    B, O, _ = orders.shape
+    T = drafts.tokens.shape[1]
+    tok_o = drafts.tokens[:, None, :].expand(B, O, T).gather(2, orders)
+    verified = session.verify(orders, tok_o)
+    res = accept(session, verified, drafts, d.u_accept, remaining, temperature, top_k, rule)
+    rows = torch.arange(B, device=remaining.device)
+    choice = res.best if rule == "paper" else torch.zeros_like(res.best)
+    n = res.n_accept[rows, choice]  # (B,)
+    new_tok = tok_o[rows, choice]  # (B, R)
+    n_commit = n
+    if rule == "lossless":
+        r_tok, rejected = residual(session, verified, drafts, choice, n, remaining, d.u_residual, temperature, top_k)
+        at_k = torch.arange(R, device=n.device)[None, :] == n.clamp(max=R - 1)[:, None]
+        new_tok = torch.where(at_k & rejected[:, None], r_tok[:, None], new_tok)
+        n_commit = n + rejected.long()
+    commit(session, verified, choice, n_commit, new_tok)
+    left = remaining - n_commit
+    return n_commit, n, torch.stack([left.max(), (left > 0).sum()])
+
+
+def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:
+    """Sample the next position of every row in its visiting order, in place; advances ``plan.step``."""
+    canvas, known = session.canvas, session.known
+    B, T = canvas.shape
+    active = plan.steps > plan.step  # (B,)
+    j = plan.visit.gather(1, (plan.n_known + plan.step).clamp(max=T - 1)[:, None])  # (B, 1)
+    verified = session.verify(j[:, None], canvas.gather(1, j)[:, None])  # feeds the last token only
+    rows = torch.zeros(B, dtype=torch.long, device=canvas.device)
+    logits = verifier_logits(session, verified, torch.arange(B, device=canvas.device), rows, rows)  # (B, V)
+    tok, _ = kernels.sample(logits, plan.u.gather(1, j).squeeze(1), temperature, top_k, backend=_backend(session))
+    commit(session, verified, rows, active.long(), tok[:, None])
+    plan.step.add_(1)

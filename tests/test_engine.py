@@ -1,0 +1,149 @@
+"""The engine's static-shape steps: buckets, torch.compile(fullgraph=True), warmup and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+
+import sigmafast
+from sigmafast import kernels, steps
+from sigmafast.engine import NeuralSession
+from sigmafast.request import draw, draw_burst
+
+T = 8
+VOCAB = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("n,cap,want", [(1, 100, 16), (16, 100, 16), (17, 100, 32), (65, 100, 100), (5, 8, 8),
+                                        (100, 100, 100)])
+def test_bucket(n, cap, want):
+    assert steps.bucket(n, cap) == want
+
+
+@pytest.mark.parametrize("n,want", [(1, 1), (2, 2), (3, 4), (8, 8), (9, 16)])
+def test_batch_bucket(n, want):
+    from sigmafast.runner import batch_bucket
+
+    assert batch_bucket(n) == want
+
+
+def _burst_run(model, step, backend, rule, num_orders, B=4, R=T):
+    """Three burst iterations of ``step`` from the same state and draws; the final canvas and outputs."""
+    canvas = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    known = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 0.3
+    session = NeuralSession(model, B, T, backend)
+    session.prefill(canvas, known)
+    g = torch.Generator().manual_seed(5)
+    outs = [step(session, draw_burst(g, B, num_orders, T, "cpu"), R, 0.9, None, rule) for _ in range(3)]
+    return session.canvas.clone(), session.known.clone(), outs
+
+
+def _ar_run(model, step, backend, B=3):
+    canvas = torch.zeros(B, T, dtype=torch.long)
+    known = torch.zeros(B, T, dtype=torch.bool)
+    known[1, :3] = True
+    session = NeuralSession(model, B, T, backend)
+    session.prefill(canvas, known)
+    n_known = known.sum(1)
+    visit = torch.where(known, torch.arange(T) - T, torch.arange(T).flip(0)).argsort(dim=1, stable=True)
+    plan = steps.ARPlan(visit, draw(torch.Generator().manual_seed(2), (B, T), "cpu"), n_known, T - n_known,
+                        torch.zeros((), dtype=torch.long))
+    for _ in range(T):
+        step(session, plan, 0.8, 3)
+    return session.canvas.clone(), session.known.clone()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("rule,num_orders", [("paper", 3), ("lossless", 1)])
+def test_burst_step_compiles_without_graph_breaks(model, backend, rule, num_orders):
+    """fullgraph=True raises on any graph break: no host read, no data-dependent shape, the Triton
+    kernels traced as custom ops. aot_eager traces and functionalises like inductor, without codegen."""
+    torch._dynamo.reset()
+    compiled = torch.compile(steps.burst_step, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want = _burst_run(model, steps.burst_step, backend, rule, num_orders)
+        got = _burst_run(model, compiled, backend, rule, num_orders)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for o_got, o_want in zip(got[2], want[2]):
+        for a, b in zip(o_got, o_want):
+            assert torch.equal(a, b)
+    assert want[2][0][0].sum() > 0  # the steps did commit tokens
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ar_step_compiles_without_graph_breaks(model, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(steps.ar_step, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want = _ar_run(model, steps.ar_step, backend)
+        got = _ar_run(model, compiled, backend)
+    assert want[1].all()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_engine_defaults_and_bad_input(model):
+    engine = sigmafast.Engine(model)
+    assert not engine.buckets and not engine.cuda_graphs  # CPU: exact shapes, no graphs
+    assert sigmafast.Engine(model, buckets=True).buckets
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a model on a CUDA device"):
+        sigmafast.Engine(model, cuda_graphs=True)
+    with pytest.raises(TypeError, match="model must be a SigmaGPT"):
+        sigmafast.Engine(object())
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        sigmafast.warmup(model, 0, T)
+    with pytest.raises(ValueError, match="exceeds the model's block_size"):
+        sigmafast.warmup(model, 2, T + 1)
+
+
+@pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
+def test_warmup_returns_an_engine_that_generate_takes(model, strategy):
+    engine = sigmafast.warmup(model, 2, T, strategy=strategy, num_orders=2, temperature=0.7)
+    assert isinstance(engine, sigmafast.Engine) and engine.model is model
+    idx = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(strategy=strategy, num_orders=2, temperature=0.7, return_stats=True)
+    out, stats = sigmafast.generate(engine, idx, T - 3, generator=torch.Generator().manual_seed(1), **kwargs)
+    want, want_stats = sigmafast.generate(model, idx, T - 3, generator=torch.Generator().manual_seed(1), **kwargs)
+    assert torch.equal(out, want) and torch.equal(stats.accepted, want_stats.accepted)
+    assert torch.equal(out[:, :3], idx)
+
+
+def test_engine_follows_replaced_weights(model):
+    """Steps read the parameters in place; an engine whose model's tensors were replaced starts afresh."""
+    clone = tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32)
+    engine = sigmafast.Engine(clone, buckets=True)
+    idx = torch.zeros(2, 0, dtype=torch.long)
+    first = sigmafast.generate(engine, idx, T, generator=torch.Generator().manual_seed(0), temperature=0)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.data = p.data * -1.0  # new storage
+    second = sigmafast.generate(engine, idx, T, generator=torch.Generator().manual_seed(0), temperature=0)
+    want = sigmafast.generate(clone, idx, T, generator=torch.Generator().manual_seed(0), temperature=0)
+    assert torch.equal(second, want)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [("burst", "paper", 3), ("burst", "lossless", 1),
+                                                            ("autoregressive", "paper", 1)])
+def test_cuda_graphs_replay_the_eager_tokens(strategy, acceptance, num_orders):
+    """On CUDA, generate replays captured steps; the tokens equal an eager run of the same shapes."""
+    model = tiny_model(VOCAB, 40, seed=3, std=0.5, dtype=torch.float32).cuda()
+    eager = sigmafast.Engine(model, buckets=True, cuda_graphs=False)
+    graphs = sigmafast.Engine(model)
+    assert graphs.cuda_graphs
+    kwargs = dict(strategy=strategy, acceptance=acceptance, num_orders=num_orders, return_stats=True)
+    for seed in range(4):  # the first call runs eagerly, later ones capture and replay
+        idx = torch.randint(0, VOCAB, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        want, s_want = sigmafast.generate(eager, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
+        got, s_got = sigmafast.generate(graphs, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
+        assert torch.equal(got, want)
+        assert torch.equal(s_got.accepted, s_want.accepted)
+    assert graphs._graphs.graphs, "no step was captured"
+    assert kernels.backend_for(next(model.parameters())) == "triton"
