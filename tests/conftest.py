@@ -1,8 +1,9 @@
 """Test-session setup.
 
-``TRITON_INTERPRET=1`` must be set before triton is imported so that the
-Triton kernels run in the interpreter on CPU. The default kernel backend of
-the session stays the PyTorch reference; kernel tests call the Triton ops
+Without a CUDA device, ``TRITON_INTERPRET=1`` is set (before triton is
+imported) so that the Triton kernels run in the interpreter on CPU; with one,
+the kernels compile for the GPU as in production. The default kernel backend
+of the session stays the PyTorch reference; kernel tests call the Triton ops
 directly or inside ``sigmafast.kernels.use_backend("triton")``.
 
 The tests use tiny tensors, for which PyTorch's intra-op thread pool costs more
@@ -11,9 +12,10 @@ than it saves on a small shared CPU, so the session runs single-threaded.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("SIGMAFAST_BACKEND", "reference")
+import torch
 
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("SIGMAFAST_BACKEND", "reference")
 
 torch.set_num_threads(1)
