@@ -105,8 +105,8 @@ def generate(
     on_iteration: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
 ):
     """Same arguments and results as :func:`sigmafast.generate`, computed naively."""
-    req = prepare(model, idx, max_new_tokens, temperature, top_k, known, strategy, order, num_orders,
-                  acceptance, generator)
+    req = prepare(model, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
+                  strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
     t0 = time.perf_counter()
     canvas, known_now = req.canvas.clone(), req.known.clone()
     B, T = canvas.shape

@@ -121,8 +121,10 @@ def check_order_tensor(order: torch.Tensor, shape: tuple, name: str = "order") -
     return order
 
 
-def prepare(model, idx, max_new_tokens, temperature, top_k, known, strategy, order, num_orders, acceptance,
-            generator) -> Request:
+def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: float = 1.0,
+            top_k: Optional[int] = None, known: Optional[torch.Tensor] = None, strategy: str = "burst",
+            order="random", num_orders: int = 1, acceptance: str = "paper",
+            generator: Optional[torch.Generator] = None) -> Request:
     """Validate ``generate``'s arguments and build the (B, T) canvas and known mask."""
     vocab_size, block_size, device = model_limits(model)
     if not isinstance(idx, torch.Tensor):

@@ -110,8 +110,8 @@ def generate(
     known)``, when given, is called after every iteration (it may sync).
     """
     target = _model_of(model)
-    req = prepare(target, idx, max_new_tokens, temperature, top_k, known, strategy, order, num_orders,
-                  acceptance, generator)
+    req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
+                  strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
     t0 = time.perf_counter()
     runner = runner_for(model)
     canvas, known_now = req.canvas.clone(), req.known.clone()
@@ -231,11 +231,13 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     to ``generate`` in place of the model. ``generate`` works without it (it captures on the fly)."""
     engine = model if isinstance(model, Engine) else Engine.for_model(model)
     target = engine.model
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     device = next(target.parameters()).device
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-    req = prepare(target, idx, seq_len, temperature, top_k, None, strategy, "random", num_orders, acceptance, None)
+    req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,
+                  num_orders=num_orders, acceptance=acceptance)
     if seq_len == 0:
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -267,7 +269,7 @@ def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.
     """(B, T, V) probabilities p(x_j | known) for every unknown j in one burst forward; one-hot
     on known positions. Known tokens are fed in ascending position order."""
     model = _model_of(model)
-    req = prepare(model, idx, None, 1.0, None, known, "burst", "random", 1, "paper", None)
+    req = prepare(model, idx, known=known)
     B, T = req.canvas.shape
     conds = as_conditionals(model)
     with torch.no_grad(), eval_mode(model):
@@ -287,7 +289,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
 
     model = _model_of(model)
     full = torch.ones_like(idx, dtype=torch.bool) if isinstance(idx, torch.Tensor) else None
-    req = prepare(model, idx, None, 1.0, None, full, "burst", "random", 1, "paper", None)
+    req = prepare(model, idx, known=full)
     x = req.canvas
     B, T = x.shape
     if isinstance(order, str):

@@ -264,8 +264,8 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
 
     idx = torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(0))
     known = torch.rand(3, T, generator=torch.Generator().manual_seed(1)) < 0.3
-    req = prepare(model, idx, None, 1.0, None, known, strategy, "random", num_orders, acceptance,
-                  torch.Generator().manual_seed(2))
+    req = prepare(model, idx, known=known, strategy=strategy, num_orders=num_orders, acceptance=acceptance,
+                  generator=torch.Generator().manual_seed(2))
     canvas, known_now = req.canvas.clone(), req.known.clone()
     runner = sigmafast.Engine(model, buckets=buckets)
     session = runner.start(canvas, known_now)
