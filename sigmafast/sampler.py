@@ -228,7 +228,8 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
            acceptance: str = "paper", temperature: float = 1.0, top_k: Optional[int] = None) -> Engine:
     """Compile and capture, ahead of time, the steps that :func:`generate` will run for calls with
     these settings, ``batch_size`` rows and canvases of ``seq_len`` tokens; returns the engine to pass
-    to ``generate`` in place of the model. ``generate`` works without it (it captures on the fly)."""
+    to ``generate`` in place of the model. ``generate`` works without it (it captures on the fly).
+    Engines without buckets (the CPU default) run exact shapes: there is nothing to prepare."""
     engine = model if isinstance(model, Engine) else Engine.for_model(model)
     target = engine.model
     for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 0)):
@@ -238,7 +239,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,
                   num_orders=num_orders, acceptance=acceptance)
-    if seq_len == 0:
+    if seq_len == 0 or not engine.buckets:  # exact shapes: every call has its own; nothing to prepare
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)
     B, T = req.canvas.shape

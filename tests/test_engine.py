@@ -103,7 +103,8 @@ def test_engine_defaults_and_bad_input(model):
 
 @pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
 def test_warmup_returns_an_engine_that_generate_takes(model, strategy):
-    engine = sigmafast.warmup(model, 2, T, strategy=strategy, num_orders=2, temperature=0.7)
+    engine = sigmafast.warmup(sigmafast.Engine(model, buckets=True), 2, T, strategy=strategy, num_orders=2,
+                              temperature=0.7)
     assert isinstance(engine, sigmafast.Engine) and engine.model is model
     idx = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(0))
     kwargs = dict(strategy=strategy, num_orders=2, temperature=0.7, return_stats=True)

@@ -1,0 +1,386 @@
+"""Engine: compilation on first use, and steady-state decode cost against HF GPT-2 and a plain anchor.
+
+Random-weight models of the ``tiny``, ``small`` and ``gpt2`` presets
+(``SigmaGPTConfig.from_preset``), bf16 on CUDA and float32 on CPU:
+
+* ``first-call``: a child process with empty ``TRITON_CACHE_DIR`` and
+  ``TORCHINDUCTOR_CACHE_DIR`` builds a ``small`` model and times its first
+  burst ``generate`` call (256 new tokens on CUDA, 32 on CPU), then 3 more with
+  other seeds, batch sizes and prompt lengths. Per call: seconds, Triton kernel
+  variants compiled (``len(fn.device_caches[device][0])`` summed over the
+  ``JITFunction`` objects in the modules of ``sigmafast.kernels``: attention,
+  utils, accept, sampling and any other) and the entries created in each cache
+  directory. On CPU without ``TRITON_INTERPRET=1`` the reference ops run and
+  nothing compiles (0 variants); under the interpreter nothing compiles either.
+* ``ar-<shape>-B<b>``: ms per token of ``strategy="autoregressive"``,
+  ``order="left-to-right"`` (time of one call / new tokens, prompt prefill included).
+* ``burst-<shape>-B<b>``: ms per iteration of ``strategy="burst"``,
+  ``num_orders=5``, ``acceptance="paper"`` (time / ``stats.iterations.max()``).
+  The time includes the prompt's prefill. Random weights give near-uniform
+  conditionals that the paper rule accepts in a few iterations (R close to
+  the new-token count), so one more, untimed call syncs after every iteration
+  (``on_iteration``) and reports the first iteration (with the prefill) and the
+  median of the later ones apart.
+* ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
+  ``generate`` (eager, no compile), ms per token; skipped without transformers.
+* ``anchor-{eager,compiled}-<shape>-B<b>``: the static-KV-cache decoder of
+  ``_decoder.py``, greedy, ms per token; ``compiled`` is
+  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), CUDA only.
+
+When the engine offers ``sigmafast.warmup(model, batch_size=, seq_len=, ...)``,
+the sigmafast cases warm up through it (``warmup_s``) and time the returned
+engine; otherwise they time ``generate(model, ...)`` after one warm-up call.
+
+Sizes: CUDA, prompt 512 + 256 new tokens, GPT-2 vocabulary (50257), batch 1
+and 8, 5 rounds. CPU: prompt 16 + 32 new tokens, a 512-token vocabulary, 2
+rounds, ``gpt2`` skipped; ``SIGMAFAST_BENCH_FULL=1`` on CPU runs ``gpt2`` and
+the GPT-2 vocabulary with prompt 64 + 64 new tokens. Timings are reported in
+``benchmark.extra_info``, never asserted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import sigmafast
+from _common import bench_device, bench_full, device_info, synchronize
+from sigmafast import SigmaGPT, SigmaGPTConfig
+
+DEVICE = bench_device()
+CUDA = DEVICE.type == "cuda"
+FULL = bench_full()
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+VOCAB = 50257 if CUDA or FULL else 512
+PROMPT, NEW = (512, 256) if CUDA else (64, 64) if FULL else (16, 32)
+ROUNDS = 5 if CUDA or FULL else 2
+SHAPES = ["tiny", "small", "gpt2"]
+BATCHES = [1, 8]
+SAMPLING = dict(temperature=1.0, top_k=None)
+STRATEGIES = {
+    "ar": dict(strategy="autoregressive", order="left-to-right"),
+    "burst": dict(strategy="burst", num_orders=5, acceptance="paper"),
+}
+KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
+FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
+    shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
+)
+RESULT_TAG = "BENCH_ENGINE_RESULT "
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _skip_shape(shape: str) -> None:
+    if shape == "gpt2" and not (CUDA or FULL):
+        pytest.skip("gpt2 shape on CPU only with SIGMAFAST_BENCH_FULL=1")
+
+
+def _config(shape: str) -> SigmaGPTConfig:
+    return SigmaGPTConfig.from_preset(shape, vocab_size=VOCAB)
+
+
+_MODELS: dict = {}
+
+
+def _model(kind: str, shape: str):
+    """A random-weight model of ``shape`` ("sigma", "anchor" or "hf"), on DEVICE in DTYPE, built once."""
+    key = (kind, shape)
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        c = _config(shape)
+        if kind == "sigma":
+            model = SigmaGPT(c)
+        elif kind == "anchor":
+            from _decoder import Decoder
+
+            model = Decoder(c.n_layer, c.n_head, c.n_embd, c.vocab_size, c.block_size)
+        else:
+            import transformers
+
+            hf = transformers.GPT2Config(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
+                                         n_positions=c.block_size, bos_token_id=c.vocab_size - 1,
+                                         eos_token_id=c.vocab_size - 1)
+            model = transformers.GPT2LMHeadModel(hf)
+        _MODELS[key] = model.to(device=DEVICE, dtype=DTYPE).eval()
+    return _MODELS[key]
+
+
+def _prompt(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB - 1, (batch, length), generator=g).to(DEVICE)
+
+
+def _timed(benchmark, call, rounds: int = ROUNDS) -> tuple[list, object]:
+    """Run ``call`` ``rounds`` times under ``benchmark.pedantic``; (seconds per round, last output)."""
+    seconds = []
+
+    def run():
+        synchronize(DEVICE)
+        t0 = time.perf_counter()
+        out = call()
+        synchronize(DEVICE)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    out = benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=0)
+    return seconds, out
+
+
+def _case_info(shape: str, batch: int, **extra) -> dict:
+    c = _config(shape)
+    return dict(shape=shape, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
+                batch_size=batch, prompt_tokens=PROMPT, new_tokens=NEW, dtype=_dtype_name(DTYPE), rounds=ROUNDS,
+                **extra, **device_info(DEVICE))
+
+
+def _check_tokens(out: torch.Tensor, prompt: torch.Tensor, name: str) -> None:
+    B, P = prompt.shape
+    if out.shape != (B, P + NEW) or not torch.equal(out[:, :P], prompt):
+        raise AssertionError(f"{name}: output shape {tuple(out.shape)} or a changed prompt")
+    if bool(((out < 0) | (out >= VOCAB)).any()):
+        raise AssertionError(f"{name}: ids outside the vocabulary")
+
+
+# --- first call with an empty Triton cache ------------------------------------------------------------------
+
+
+def _jit_functions() -> dict:
+    """name -> triton JITFunction found among the kernel modules' attributes (autotuner wrappers unwrapped)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return {}
+    import sigmafast.kernels as package
+
+    names = list(KERNEL_MODULES)
+    names += [m.name for m in pkgutil.iter_modules(package.__path__) if m.name not in names]
+    found = {}
+    for mod_name in names:
+        try:
+            mod = importlib.import_module(f"sigmafast.kernels.{mod_name}")
+        except ImportError:
+            continue
+        for attr, obj in vars(mod).items():
+            for _ in range(3):  # Autotuner / Heuristics keep the kernel in .fn
+                if isinstance(obj, JITFunction) or not hasattr(obj, "fn"):
+                    break
+                obj = obj.fn
+            if isinstance(obj, JITFunction) and all(obj is not f for f in found.values()):
+                inner = getattr(obj, "fn", None)
+                found[f"{getattr(inner, '__module__', mod_name).rsplit('.', 1)[-1]}.{attr}"] = obj
+    return found
+
+
+def _variants(fns: dict) -> dict:
+    """name -> number of compiled variants held in the kernel's in-memory cache (all devices); None if unreadable."""
+    out = {}
+    for name, fn in fns.items():
+        try:
+            out[name] = sum(len(caches[0]) for caches in list(fn.device_caches.values()))
+        except Exception:  # noqa: BLE001 - triton internals differ between versions
+            out[name] = None
+    return out
+
+
+def _cache_entries(path: str) -> int:
+    return sum(len(dirs) + len(files) for _, dirs, files in os.walk(path))
+
+
+def _uses_triton(model) -> bool:
+    backend_for = getattr(sigmafast.kernels, "backend_for", None)
+    if backend_for is not None:
+        return backend_for(next(model.parameters())) == "triton"
+    return next(model.parameters()).is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def first_call_child() -> dict:
+    """Run in a fresh process with empty TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR: time FIRST_CALL's calls."""
+    cache_dir, inductor_dir = os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    model = _model("sigma", FIRST_CALL["shape"])
+    synchronize(DEVICE)  # CUDA context and weights outside the timings
+    triton = _uses_triton(model)
+    t0 = time.perf_counter()
+    fns = _jit_functions() if triton else {}
+    result = dict(uses_triton=triton, triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
+                  import_kernels_s=time.perf_counter() - t0, calls=[])
+    before, entries, inductor = _variants(fns), _cache_entries(cache_dir), _cache_entries(inductor_dir)
+    for batch, length, seed in FIRST_CALL["calls"]:
+        prompt = _prompt(batch, length, seed)
+        gen = torch.Generator(DEVICE).manual_seed(seed)
+        synchronize(DEVICE)
+        t0 = time.perf_counter()
+        sigmafast.generate(model, prompt, FIRST_CALL["new_tokens"], generator=gen, **STRATEGIES["burst"], **SAMPLING)
+        synchronize(DEVICE)
+        seconds = time.perf_counter() - t0
+        if triton:
+            fns.update(_jit_functions())  # modules the call imported itself
+        after, now, inductor_now = _variants(fns), _cache_entries(cache_dir), _cache_entries(inductor_dir)
+        new = {k: v - (before.get(k) or 0) for k, v in after.items() if v is not None and v - (before.get(k) or 0)}
+        result["calls"].append(dict(batch_size=batch, prompt_tokens=length, seconds=seconds,
+                                    variants_compiled=sum(new.values()), new_variants=new,
+                                    cache_entries_created=now - entries,
+                                    inductor_cache_entries_created=inductor_now - inductor))
+        before, entries, inductor = after, now, inductor_now
+    result["variants_per_kernel"] = {k: v for k, v in before.items() if v}
+    result["unreadable_kernel_caches"] = sorted(k for k, v in before.items() if v is None)
+    return result
+
+
+def test_first_call(benchmark, tmp_path):
+    env = dict(os.environ)
+    for var, name in (("TRITON_CACHE_DIR", "triton-cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor-cache")):
+        (tmp_path / name).mkdir()
+        env[var] = str(tmp_path / name)  # both empty: a cold start, also for anything torch.compile'd
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--first-call"]
+
+    def child():
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent)
+
+    proc = benchmark.pedantic(child, rounds=1, iterations=1, warmup_rounds=0)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"first-call child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    res = json.loads(lines[-1][len(RESULT_TAG):])
+    calls = res.pop("calls")
+    c = _config(FIRST_CALL["shape"])
+    benchmark.extra_info.update(
+        kind="first_call", shape=FIRST_CALL["shape"], n_layer=c.n_layer, n_embd=c.n_embd, vocab_size=c.vocab_size,
+        new_tokens=FIRST_CALL["new_tokens"], dtype=_dtype_name(DTYPE), **STRATEGIES["burst"],
+        first_call_s=calls[0]["seconds"], first_call_variants=calls[0]["variants_compiled"],
+        first_call_cache_entries=calls[0]["cache_entries_created"],
+        later_calls_s=[x["seconds"] for x in calls[1:]],
+        later_calls_variants=[x["variants_compiled"] for x in calls[1:]],
+        later_calls_cache_entries=[x["cache_entries_created"] for x in calls[1:]],
+        max_variants_per_kernel=max(res["variants_per_kernel"].values(), default=0),
+        calls=calls, **res, **device_info(DEVICE),
+    )
+
+
+# --- steady state: sigmafast -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy,shape,batch", [
+    pytest.param(s, m, b, id=f"{s}-{m}-B{b}") for s in STRATEGIES for m in SHAPES for b in BATCHES
+])
+def test_engine(benchmark, strategy, shape, batch):
+    _skip_shape(shape)
+    model = _model("sigma", shape)
+    prompt = _prompt(batch, PROMPT)
+    kwargs = {**STRATEGIES[strategy], **SAMPLING}
+    warmup = getattr(sigmafast, "warmup", None)
+    target, warmup_s = model, None
+    if warmup is not None:
+        opts = {k: v for k, v in kwargs.items() if k != "order"}
+        t0 = time.perf_counter()
+        target = warmup(model, batch_size=batch, seq_len=PROMPT + NEW, **opts)
+        synchronize(DEVICE)
+        warmup_s = time.perf_counter() - t0
+
+    def call():
+        return sigmafast.generate(target, prompt, NEW, generator=torch.Generator(DEVICE).manual_seed(1234),
+                                  return_stats=True, **kwargs)
+
+    out, _ = call()  # warm-up (kernels compiled, caches allocated) and a correctness check
+    _check_tokens(out, prompt, f"{strategy}-{shape}-B{batch}")
+    seconds, (_, stats) = _timed(benchmark, call)
+    wall = statistics.median(seconds)
+    info = _case_info(shape, batch, kind="engine", strategy=kwargs["strategy"], warmup_api=warmup is not None,
+                      warmup_s=warmup_s, seconds_median=wall, **SAMPLING)
+    if strategy == "ar":
+        info.update(order=kwargs["order"], ms_per_token=1e3 * wall / NEW)
+    else:
+        iters = stats.iterations.double().cpu()
+        stamps = []  # one untimed call with a sync after every iteration: iterations apart from the prefill
+
+        def hook(canvas, known):
+            synchronize(DEVICE)
+            stamps.append(time.perf_counter())
+
+        synchronize(DEVICE)
+        t0 = time.perf_counter()
+        sigmafast.generate(target, prompt, NEW, generator=torch.Generator(DEVICE).manual_seed(1234),
+                           on_iteration=hook, **kwargs)
+        per_iter = [1e3 * (b - a) for a, b in zip([t0] + stamps, stamps)]
+        info.update(num_orders=kwargs["num_orders"], acceptance=kwargs["acceptance"],
+                    iterations_max=int(iters.max()), iterations_mean=float(iters.mean()),
+                    ms_per_iteration=1e3 * wall / max(int(iters.max()), 1), ms_per_token=1e3 * wall / NEW,
+                    synced_first_iteration_ms=per_iter[0] if per_iter else None,  # prompt prefill included
+                    synced_later_iterations_ms_median=statistics.median(per_iter[1:]) if per_iter[1:] else None)
+    benchmark.extra_info.update(info)
+
+
+# --- HF transformers and the plain static-cache anchor ---------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,batch", [pytest.param(m, b, id=f"hf-{m}-B{b}") for m in SHAPES for b in BATCHES])
+def test_hf(benchmark, shape, batch):
+    transformers = pytest.importorskip("transformers")
+    _skip_shape(shape)
+    model = _model("hf", shape)
+    prompt = _prompt(batch, PROMPT)
+
+    def call():
+        with torch.no_grad():
+            return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=VOCAB - 1)
+
+    _check_tokens(call(), prompt, f"hf-{shape}-B{batch}")
+    seconds, _ = _timed(benchmark, call)
+    wall = statistics.median(seconds)
+    benchmark.extra_info.update(_case_info(
+        shape, batch, kind="hf", transformers_version=transformers.__version__,
+        attn_implementation=getattr(model.config, "_attn_implementation", None),
+        seconds_median=wall, ms_per_token=1e3 * wall / NEW,
+    ))
+
+
+@pytest.mark.parametrize("mode,shape,batch", [
+    pytest.param(c, m, b, id=f"anchor-{c}-{m}-B{b}") for c in ("eager", "compiled") for m in SHAPES for b in BATCHES
+])
+def test_anchor(benchmark, mode, shape, batch):
+    import _decoder
+
+    _skip_shape(shape)
+    if mode == "compiled" and not CUDA:
+        pytest.skip("the compiled anchor uses CUDA graphs (reduce-overhead); CUDA only")
+    model = _model("anchor", shape)
+    prompt = _prompt(batch, PROMPT)
+    decode = _decoder.decode_one_token
+    if mode == "compiled":
+        torch._dynamo.reset()
+        decode = _decoder.compiled_decode()
+
+    def call():
+        return _decoder.generate(model, prompt, NEW, decode=decode)
+
+    t0 = time.perf_counter()
+    out = call()  # warm-up: compile and CUDA-graph capture for "compiled"
+    synchronize(DEVICE)
+    first_s = time.perf_counter() - t0
+    _check_tokens(out, prompt, f"anchor-{mode}-{shape}-B{batch}")
+    seconds, _ = _timed(benchmark, call)
+    wall = statistics.median(seconds)
+    benchmark.extra_info.update(_case_info(
+        shape, batch, kind="anchor", mode=mode, compile_mode="reduce-overhead" if mode == "compiled" else None,
+        first_call_s=first_s, seconds_median=wall, ms_per_token=1e3 * wall / NEW,
+    ))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--first-call"]:
+        sys.exit(f"usage: {sys.argv[0]} --first-call  (run by test_first_call with TRITON_CACHE_DIR set)")
+    if os.environ.get("SIGMAFAST_BENCH_THREADS", "").isdigit():  # as conftest.py does for the parent
+        torch.set_num_threads(max(1, int(os.environ["SIGMAFAST_BENCH_THREADS"])))
+    print(RESULT_TAG + json.dumps(first_call_child()), flush=True)
