@@ -86,7 +86,7 @@ BURST_L = [4096, 16384, 65536] if bench_full() else [4096, 16384]
 @pytest.mark.parametrize("impl", ["triton", "reference", "sdpa"])
 @pytest.mark.parametrize("L", BURST_L, ids=lambda L: f"L{L}")
 def test_burst_attention(benchmark, impl, L, copy_gbps):
-    from sigmafast.kernels.burst_attn import burst_attention
+    from sigmafast.kernels.attention import burst_attention
 
     B, R = 8, 16
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -105,7 +105,7 @@ def test_burst_attention(benchmark, impl, L, copy_gbps):
 @pytest.mark.parametrize("impl", ["triton", "reference", "sdpa"])
 @pytest.mark.parametrize("R", [16, 64], ids=lambda R: f"R{R}")
 def test_verify_attention(benchmark, impl, R, copy_gbps):
-    from sigmafast.kernels.verify_attn import verify_attention
+    from sigmafast.kernels.attention import verify_attention
 
     B, O, L = 4, 5, 4096
     g = torch.Generator(device="cuda").manual_seed(1)

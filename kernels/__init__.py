@@ -6,13 +6,17 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 ``kernels`` module, which would collide with an unrelated PyPI package.
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
-and one Triton implementation (``burst_attn``, ``verify_attn``, ``accept``,
-``sampling``; the module names differ from the functions' so that importing a
-module never rebinds a public name of this package). ``acceptance_from_hidden``
-is an extra: acceptance straight from hidden states and the LM-head weight. The functions below pick
-one per call:
+and one Triton implementation (``attention``, ``accept``, ``sampling``; the
+module names differ from the functions' so that importing a module never
+rebinds a public name of this package), registered as PyTorch custom ops
+``torch.ops.sigmafast.*`` by ``ops`` so that ``torch.compile`` traces through
+them. ``acceptance_from_hidden`` is an extra: acceptance straight from hidden
+states and the LM-head weight. The functions below pick one per call:
 
-* an explicit choice wins: ``use_backend(name)`` (innermost), else the
+* ``backend="triton"`` or ``"reference"`` (keyword) is used as is; pass it in
+  compiled code, where the environment and context reads below are not
+  traceable;
+* else an explicit choice wins: ``use_backend(name)`` (innermost), else the
   ``SIGMAFAST_BACKEND`` environment variable, each one of ``auto``, ``triton``,
   ``reference``;
 * ``auto``: Triton for CUDA tensors, and for any tensor when
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import os
 from typing import Iterator, Optional
 
@@ -76,44 +79,77 @@ def backend_for(t: torch.Tensor) -> str:
     return name
 
 
-def _triton(module: str, fn: str):
+def _resolve(backend: Optional[str], t: torch.Tensor) -> str:
+    """An explicit ``backend`` as is (no environment or context read: safe in traced code), else
+    :func:`backend_for`."""
+    if backend is None:
+        return backend_for(t)
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"backend must be None, 'triton' or 'reference', got {backend!r}")
+    return backend
+
+
+def _no_triton(e: ImportError) -> ImportError:
+    return ImportError(f"the triton backend of sigmafast.kernels needs the triton package: {e}")
+
+
+# Plain import statements (not importlib), so that torch.compile can trace the Triton path.
+def _attention():
     try:
-        return getattr(importlib.import_module(f"{__name__}.{module}"), fn)
+        from . import attention
     except ImportError as e:
-        raise ImportError(f"the triton backend of sigmafast.kernels needs the triton package: {e}") from e
+        raise _no_triton(e) from e
+    return attention
 
 
-def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.Tensor:
+def _accept():
+    try:
+        from . import accept
+    except ImportError as e:
+        raise _no_triton(e) from e
+    return accept
+
+
+def _sampling():
+    try:
+        from . import sampling
+    except ImportError as e:
+        raise _no_triton(e) from e
+    return sampling
+
+
+def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
     """(B, H, R, D) queries over ``cache[:cache_lens]`` plus their own key; see the reference."""
-    if backend_for(q) == "triton":
-        return _triton("burst_attn", "burst_attention")(q, k, v, k_cache, v_cache, cache_lens, scale)
+    if _resolve(backend, q) == "triton":
+        return _attention().burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
     return reference.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
-def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.Tensor:
+def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
     """(B, O, H, R, D) orders, causal, over a shared cache prefix; see the reference."""
-    if backend_for(q) == "triton":
-        return _triton("verify_attn", "verify_attention")(q, k, v, k_cache, v_cache, cache_lens, scale)
+    if _resolve(backend, q) == "triton":
+        return _attention().verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
     return reference.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
 def acceptance(
-    logits, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper"
+    logits, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper", *,
+    backend: Optional[str] = None,
 ) -> Acceptance:
     """Accept/reject drafts from (B, O, R, V) verifier logits; see the reference."""
-    if backend_for(logits) == "triton":
-        fn = _triton("accept", "acceptance")
-        return fn(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    if _resolve(backend, logits) == "triton":
+        return _accept().acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
 def acceptance_from_hidden(
-    hidden, weight, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper"
+    hidden, weight, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper", *,
+    backend: Optional[str] = None,
 ) -> Acceptance:
     """:func:`acceptance` of the logits ``hidden @ weight.T`` ((B, O, R, C) and (V, C)); the Triton
     kernel never writes the logits."""
-    if backend_for(hidden) == "triton":
-        fn = _triton("accept", "acceptance_from_hidden")
+    if _resolve(backend, hidden) == "triton":
+        fn = _accept().acceptance_from_hidden
         return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     logits = hidden @ weight.T
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -121,17 +157,19 @@ def acceptance_from_hidden(
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
-def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[str] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference."""
-    if backend_for(logits) == "triton":
-        return _triton("sampling", "sample")(logits, uniforms, temperature, top_k)
+    if _resolve(backend, logits) == "triton":
+        return _sampling().sample(logits, uniforms, temperature, top_k)
     return reference.sample(logits, uniforms, temperature, top_k)
 
 
-def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None) -> torch.Tensor:
+def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[str] = None
+                    ) -> torch.Tensor:
     """Sample from normalize(max(0, q - p)); see the reference."""
-    if backend_for(q_logits) == "triton":
-        return _triton("sampling", "residual_sample")(q_logits, p_logits, uniforms, temperature, top_k)
+    if _resolve(backend, q_logits) == "triton":
+        return _sampling().residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
     return reference.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
 
 

@@ -2,7 +2,9 @@
 
 The kernel streams each verifier logit row once, in (rows, BLOCK_V) chunks,
 keeping a running max and sum of exponentials and picking out the draft's
-logit on the way (greedy: the first argmax instead). Only (B, O, R) values are
+logit on the way (greedy: a second kernel takes the first argmax instead, so
+that each compiles at most twice per dtype and V: with and without top-k).
+Rows per program depend on BLOCK_V only. Only (B, O, R) values are
 written; the probabilities are never materialised. Top-k uses the k-th largest
 logit per row from ``torch.topk`` (an (N, k) temporary) as a threshold. The
 accept/reject decisions are a handful of (B, O, R) torch ops, the same as the
@@ -11,7 +13,8 @@ reference's, so they agree with it exactly for the same log q.
 :func:`acceptance_from_hidden` (the issue's stretch goal) takes the final hidden
 states and the LM-head weight instead, and computes each logit tile with a
 tl.dot inside the same online log-sum-exp, so the (B·O·R, V) logits are never
-written.
+written. Its tiles are fixed (``LM_HEAD_TILES``), its only constexpr choice is
+greedy or not.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import triton
 import triton.language as tl
 
 from .reference import RULES, Acceptance, decide
-from .utils import check_float, kth_largest, load_logits, online_lse, rows_per_program
+from .utils import (
+    check_block_v, check_float, kth_largest, load_logits, online_lse, row_stride, rows_ready, vocab_config,
+)
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,58 +37,74 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-@triton.jit
-def _draft_logq_kernel(
-    X, DRAFT, KTH, LOGQ, ARGMAX,
-    s_x, N, V, temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, GREEDY: tl.constexpr,
+@triton.jit(do_not_specialize=["s_x", "N"])
+def _draft_argmax_kernel(
+    X, ARGMAX, s_x, N, V,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr,
 ):
+    """(N,) first argmax of each logit row (greedy verification)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
-    p_x = X + o_n64[:, None] * s_x
+    p_x = X + o_n64[:, None] * (s_x * STRIDE_UNIT)  # (BLOCK_N, 1); see utils for STRIDE_UNIT
     o_b = tl.arange(0, BLOCK_V)
-    if GREEDY:
-        b_best = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        b_arg = tl.zeros([BLOCK_N], tl.int32)
-        for start in range(0, V, BLOCK_V):
-            o_v = start + o_b[None, :]
-            b_x = tl.load(p_x + o_v, mask=m_n[:, None] & (o_v < V), other=float("-inf")).to(tl.float32)
-            c_max = tl.max(b_x, 1)
-            c_arg = tl.min(tl.where(b_x == c_max[:, None], o_v, V), 1)  # first index of the chunk max
-            b_arg = tl.where(c_max > b_best, c_arg, b_arg)
-            b_best = tl.maximum(b_best, c_max)
-        tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
-    else:
-        kth = tl.zeros([BLOCK_N, 1], tl.float32)
-        if HAS_TOPK:
-            kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
-        d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
-        b_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        b_s = tl.zeros([BLOCK_N], tl.float32)
-        b_xd = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK_V):
-            o_v = start + o_b[None, :]
-            b_x = load_logits(p_x, o_v, m_n[:, None] & (o_v < V), kth, temperature, HAS_TOPK)
-            b_m, b_s = online_lse(b_m, b_s, b_x)
-            b_xd = tl.maximum(b_xd, tl.max(tl.where(o_v == d[:, None], b_x, float("-inf")), 1))
-        b_m = tl.where(m_n, b_m, 0.0)
-        b_s = tl.where(m_n, b_s, 1.0)
-        tl.store(LOGQ + o_n64, b_xd - b_m - tl.log(b_s), mask=m_n)
+    b_best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    b_arg = tl.zeros([BLOCK_N], tl.int32)
+    for start in range(0, V, BLOCK_V):
+        o_v = start + o_b[None, :]
+        b_x = tl.load(p_x + o_v, mask=m_n[:, None] & (o_v < V), other=float("-inf")).to(tl.float32)
+        c_max = tl.max(b_x, 1)
+        c_arg = tl.min(tl.where(b_x == c_max[:, None], o_v, V), 1)  # first index of the chunk max
+        b_arg = tl.where(c_max > b_best, c_arg, b_arg)
+        b_best = tl.maximum(b_best, c_max)
+    tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
+
+
+@triton.jit(do_not_specialize=["s_x", "N"], do_not_specialize_on_alignment=["DRAFT", "KTH"])
+def _draft_logq_kernel(
+    X, DRAFT, KTH, LOGQ, s_x, N, V, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+):
+    """(N,) log q of each row's draft under the processed (temperature, top-k) softmax."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    p_x = X + o_n64[:, None] * (s_x * STRIDE_UNIT)  # (BLOCK_N, 1); see utils for STRIDE_UNIT
+    o_b = tl.arange(0, BLOCK_V)
+    kth = tl.zeros([BLOCK_N, 1], tl.float32)
+    if HAS_TOPK:
+        kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
+    b_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    b_s = tl.zeros([BLOCK_N], tl.float32)
+    b_xd = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        o_v = start + o_b[None, :]
+        b_x = load_logits(p_x, o_v, m_n[:, None] & (o_v < V), kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
+        b_m, b_s = online_lse(b_m, b_s, b_x)
+        b_xd = tl.maximum(b_xd, tl.max(tl.where(o_v == d[:, None], b_x, float("-inf")), 1))
+    b_m = tl.where(m_n, b_m, 0.0)
+    b_s = tl.where(m_n, b_s, 1.0)
+    tl.store(LOGQ + o_n64, b_xd - b_m - tl.log(b_s), mask=m_n)
 
 
 def _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
+    check_float("logits", logits, 4)
+    _check_scoring(logits.shape[:3], logits.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+
+
+def _check_scoring(shape, device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
+    """Validate the (B, O, R) = ``shape`` drafting inputs of :func:`acceptance`."""
     if rule not in RULES:
         raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
-    check_float("logits", logits, 4)
-    B, O, R, V = logits.shape
+    B, O, R = shape
     if not isinstance(drafts, torch.Tensor) or drafts.dtype not in (torch.int32, torch.int64):
         got = getattr(drafts, "dtype", type(drafts))
         raise ValueError(f"drafts must be an int64 tensor of shape {(B, O, R)}, got {got}")
     for name, t in (("drafts", drafts), ("draft_logp", draft_logp), ("uniforms", uniforms)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, O, R) or t.device != logits.device:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, O, R) or t.device != device:
             got = getattr(t, "shape", t)
-            raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {logits.device}, got {got!r:.80}")
+            raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {device}, got {got!r:.80}")
     if not draft_logp.is_floating_point() or not uniforms.is_floating_point():
         raise ValueError(f"draft_logp and uniforms must be float tensors, got {draft_logp.dtype} and {uniforms.dtype}")
     if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,) or lengths.is_floating_point():
@@ -95,20 +116,27 @@ def _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, ru
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
 
 
-def draft_logq(logits, drafts, temperature, top_k, block_v=None):
-    """(N, V) logits, (N,) drafts -> (N,) float32 log q of the drafts, or (N,) int64 argmax if temperature 0."""
+def draft_logq(logits, drafts, temperature, top_k=None, block_v=None) -> torch.Tensor:
+    """Launch (no checks): (N, V) logits, (N,) drafts -> (N,) float32 log q of the drafts, or the
+    (N,) int64 argmax when ``temperature`` is 0."""
     N, V = logits.shape
-    block_v = block_v or min(triton.next_power_of_2(V), 4096)
-    block_n = min(rows_per_program(block_v), triton.next_power_of_2(N))
+    block_v, block_n, num_warps, unit = vocab_config(V, block_v)
     greedy = temperature == 0
-    kth = None if greedy else kth_largest(logits, top_k)
     res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=logits.device)
-    _draft_logq_kernel[(triton.cdiv(N, block_n),)](
-        logits, drafts, kth if kth is not None else res, res, res,
-        logits.stride(0), N, V, float(temperature) if not greedy else 1.0,
-        BLOCK_N=block_n, BLOCK_V=block_v, HAS_TOPK=kth is not None, GREEDY=greedy,
-        num_warps=4 if block_n * block_v <= 2048 else 8,
-    )
+    if N == 0:
+        return res
+    logits = rows_ready(logits, unit)
+    drafts = drafts.contiguous()
+    grid = (triton.cdiv(N, block_n),)
+    meta = dict(BLOCK_N=block_n, BLOCK_V=block_v, STRIDE_UNIT=unit, num_warps=num_warps)
+    if greedy:
+        _draft_argmax_kernel[grid](logits, res, row_stride(logits) // unit, N, V, **meta)
+    else:
+        kth = kth_largest(logits, top_k)
+        _draft_logq_kernel[grid](
+            logits, drafts, kth if kth is not None else res, res, row_stride(logits) // unit, N, V, float(temperature),
+            HAS_TOPK=kth is not None, **meta,
+        )
     return res
 
 
@@ -133,27 +161,28 @@ def acceptance(
     n_accept, best, first_reject), with the reference's semantics.
     """
     _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    check_block_v(block_v)
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
     B, O, R, V = logits.shape
-    rows = logits.reshape(B * O * R, V)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    flat_drafts = drafts.reshape(-1).contiguous()
-    if B * O * R == 0:
-        res = torch.zeros(0, dtype=torch.int64 if temperature == 0 else torch.float32, device=logits.device)
-    else:
-        res = draft_logq(rows, flat_drafts, temperature, None if temperature == 0 else top_k, block_v)
-    scores = res.view(B, O, R) if temperature == 0 else res.view(B, O, R).to(logits.dtype)
+    greedy = temperature == 0
+    res = torch.ops.sigmafast.draft_logq(
+        logits.reshape(B * O * R, V), drafts.reshape(-1), float(temperature), None if greedy else top_k, block_v
+    )
+    scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(logits.dtype)
     return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_h", "s_w", "N"], do_not_specialize_on_alignment=["DRAFT"])
 def _lm_head_logq_kernel(
     HID, W, DRAFT, LOGQ, ARGMAX,
     s_h, s_w, N, V, C, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
-    GREEDY: tl.constexpr, DOT_PREC: tl.constexpr,
+    GREEDY: tl.constexpr, STRIDE_UNIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """log q of the drafts (or the argmax) with the logits computed tile by tile, never stored."""
+    s_h = s_h * STRIDE_UNIT  # see utils for STRIDE_UNIT
+    s_w = s_w * STRIDE_UNIT
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -223,22 +252,36 @@ def acceptance_from_hidden(
     V = weight.shape[0]
     if top_k is not None and top_k < V and temperature != 0:  # greedy: top-k cannot change the argmax
         return acceptance(hidden @ weight.T, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
-    _check(hidden.new_empty(B, O, R, 1).expand(B, O, R, V), drafts, draft_logp, uniforms, lengths, temperature,
-           top_k, rule)
-    N = B * O * R
-    rows = hidden.reshape(N, C).contiguous()
-    w = weight.contiguous()
+    _check_scoring((B, O, R), hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
+    greedy = temperature == 0
+    res = torch.ops.sigmafast.lm_head_logq(hidden.reshape(B * O * R, C), weight, drafts.reshape(-1),
+                                           float(temperature))
+    scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(hidden.dtype))
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+
+
+LM_HEAD_TILES = (64, 128, 64)  # (BLOCK_N, BLOCK_V, BLOCK_C max): fixed, never from the row count
+
+
+def lm_head_logq(hidden, weight, drafts, temperature) -> torch.Tensor:
+    """Launch (no checks): (N, C) hidden states, (V, C) weight, (N,) drafts -> (N,) float32 log q of
+    the drafts under softmax(hidden @ weight.T / temperature), or the (N,) int64 argmax at temperature 0."""
+    N, C = hidden.shape
+    V = weight.shape[0]
     greedy = temperature == 0
     res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=hidden.device)
-    if N > 0:
-        block_n = min(64, max(16, triton.next_power_of_2(N)))
-        block_c = min(64, max(16, triton.next_power_of_2(C)))
-        _lm_head_logq_kernel[(triton.cdiv(N, block_n),)](
-            rows, w, drafts.reshape(-1).contiguous(), res, res,
-            rows.stride(0), w.stride(0), N, V, C, float(temperature) if not greedy else 1.0,
-            BLOCK_N=block_n, BLOCK_V=128, BLOCK_C=block_c, GREEDY=greedy,
-            DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
-            num_warps=8, num_stages=3,
-        )
-    scores = res.view(B, O, R) if temperature == 0 else res.view(B, O, R).to(_score_dtype(hidden.dtype))
-    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+    if N == 0:
+        return res
+    unit = 16 if C % 16 == 0 else 1
+    rows, w = rows_ready(hidden, unit), rows_ready(weight, unit)
+    block_n, block_v, block_c = LM_HEAD_TILES
+    _lm_head_logq_kernel[(triton.cdiv(N, block_n),)](
+        rows, w, drafts.contiguous(), res, res,
+        row_stride(rows) // unit, row_stride(w) // unit, N, V, C, 1.0 if greedy else float(temperature),
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_C=min(block_c, max(16, triton.next_power_of_2(C))),
+        GREEDY=greedy, STRIDE_UNIT=unit, DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
+        num_warps=8, num_stages=3,
+    )
+    return res

@@ -1,6 +1,7 @@
 """Triton inverse-CDF sampling from logits, and the speculative-sampling residual.
 
-One program per row, streaming the vocabulary in BLOCK_V chunks:
+Each program owns BLOCK_N rows (a function of BLOCK_V only, itself of V) and
+streams the vocabulary in (BLOCK_N, BLOCK_V) chunks:
 
 * pass 1: online max and sum of exponentials (log-sum-exp) of the processed
   logits (temperature, top-k threshold from ``torch.topk``);
@@ -15,6 +16,10 @@ caller; there is no RNG in the kernel. Against the reference the only possible
 differences are float-rounding ties: a uniform within a few ulps of a CDF
 boundary, or a logit that rounds onto the top-k threshold after the division
 by the temperature (the kernel compares raw logits with the raw k-th value).
+
+``_sample_kernel`` and ``_residual_kernel`` share one body; each compiles at
+most twice per dtype and V (with and without top-k): the row count and strides
+are not specialised.
 """
 
 from __future__ import annotations
@@ -25,15 +30,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import check_float, kth_largest, load_logits, online_lse, rows_per_program
+from .utils import (
+    check_block_v, check_float, kth_largest, load_logits, online_lse, row_stride, rows_ready, vocab_config,
+)
 
 
 @triton.jit
-def _sample_kernel(
-    QL, PL, U, KQ, KP, TOK, LOGP,
-    s_q, s_p, N, V, temperature,
+def _sample_rows(
+    QL, PL, U, KQ, KP, TOK, LOGP, s_q, s_p, N, V, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, RESIDUAL: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr,
 ):
+    """The rows' tokens (and, unless RESIDUAL, their log-probs) by inverse CDF over the streamed logits.
+    Row strides come in units of STRIDE_UNIT elements (see utils)."""
+    s_q = s_q * STRIDE_UNIT
+    s_p = s_p * STRIDE_UNIT
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -102,7 +113,25 @@ def _sample_kernel(
         tl.store(LOGP + o_n64, (x_tok - lse_q).to(LOGP.dtype.element_ty), mask=m_n)
 
 
-def _check_args(logits, uniforms, temperature, top_k, name="logits") -> None:
+@triton.jit(do_not_specialize=["s_q", "N"], do_not_specialize_on_alignment=["U", "KQ"])
+def _sample_kernel(
+    QL, U, KQ, TOK, LOGP, s_q, N, V, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+):
+    _sample_rows(QL, QL, U, KQ, KQ, TOK, LOGP, s_q, s_q, N, V, temperature, BLOCK_N, BLOCK_V, HAS_TOPK, False,
+                 STRIDE_UNIT)
+
+
+@triton.jit(do_not_specialize=["s_q", "s_p", "N"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
+def _residual_kernel(
+    QL, PL, U, KQ, KP, TOK, s_q, s_p, N, V, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+):
+    _sample_rows(QL, PL, U, KQ, KP, TOK, TOK, s_q, s_p, N, V, temperature, BLOCK_N, BLOCK_V, HAS_TOPK, True,
+                 STRIDE_UNIT)
+
+
+def _check_args(logits, uniforms, temperature, top_k, block_v, name="logits") -> None:
     check_float(name, logits, 2)
     if not isinstance(uniforms, torch.Tensor) or not uniforms.is_floating_point():
         raise ValueError(f"uniforms must be a float tensor of shape ({logits.shape[0]},), got {uniforms!r:.60}")
@@ -117,32 +146,38 @@ def _check_args(logits, uniforms, temperature, top_k, name="logits") -> None:
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if logits.shape[1] == 0:
         raise ValueError("logits must have a nonempty vocabulary dimension")
+    check_block_v(block_v)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _launch(q_logits, p_logits, uniforms, temperature, top_k, block_v):
+def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
+    """Launch the sample (``p_logits`` None) or residual kernel, no checks: (N,) tokens and (N,) log-probs
+    (residual: None). Temperature 0 is the first argmax of q (log-prob 0), without a kernel."""
     N, V = q_logits.shape
     residual = p_logits is not None
-    q_logits = _rows(q_logits)
-    p_logits = _rows(p_logits) if residual else q_logits
+    if temperature == 0:
+        return q_logits.argmax(-1), None if residual else q_logits.new_zeros(N)
+    block_v, block_n, num_warps, unit = vocab_config(V, block_v)
+    q_logits = rows_ready(q_logits, unit)
+    p_logits = rows_ready(p_logits, unit) if residual else None
     kq = kth_largest(q_logits, top_k)
     kp = kth_largest(p_logits, top_k) if residual else None
     tokens = torch.empty(N, dtype=torch.int64, device=q_logits.device)
-    logp = torch.empty(N, dtype=q_logits.dtype, device=q_logits.device)
+    logp = None if residual else torch.empty(N, dtype=q_logits.dtype, device=q_logits.device)
     if N == 0:
         return tokens, logp
-    block_v = block_v or min(triton.next_power_of_2(V), 4096)
     u = uniforms.float().contiguous()
-    block_n = min(rows_per_program(block_v), triton.next_power_of_2(N))
-    _sample_kernel[(triton.cdiv(N, block_n),)](
-        q_logits, p_logits, u, kq if kq is not None else u, kp if kp is not None else u, tokens, logp,
-        q_logits.stride(0), p_logits.stride(0), N, V, float(temperature),
-        BLOCK_N=block_n, BLOCK_V=block_v, HAS_TOPK=kq is not None, RESIDUAL=residual,
-        num_warps=4 if block_n * block_v <= 2048 else 8,
-    )
+    grid = (triton.cdiv(N, block_n),)
+    meta = dict(BLOCK_N=block_n, BLOCK_V=block_v, HAS_TOPK=kq is not None, STRIDE_UNIT=unit, num_warps=num_warps)
+    if residual:
+        _residual_kernel[grid](
+            q_logits, p_logits, u, kq if kq is not None else u, kp if kp is not None else u, tokens,
+            row_stride(q_logits) // unit, row_stride(p_logits) // unit, N, V, float(temperature), **meta,
+        )
+    else:
+        _sample_kernel[grid](
+            q_logits, u, kq if kq is not None else u, tokens, logp, row_stride(q_logits) // unit, N, V,
+            float(temperature), **meta,
+        )
     return tokens, logp
 
 
@@ -161,10 +196,10 @@ def sample(
     under the processed distribution; temperature 0 is greedy (first argmax,
     log-prob 0). ``block_v`` (a power of two) overrides the vocabulary chunk.
     """
-    _check_args(logits, uniforms, temperature, top_k)
-    if temperature == 0:
-        return logits.argmax(-1), torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
-    return _launch(logits, None, uniforms, temperature, top_k, block_v)
+    _check_args(logits, uniforms, temperature, top_k, block_v)
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
+    return torch.ops.sigmafast.sample(logits, uniforms, float(temperature), top_k, block_v)
 
 
 def residual_sample(
@@ -182,10 +217,10 @@ def residual_sample(
     (temperature, top-k) softmaxes. Rows whose residual is all zero sample
     from q; temperature 0 returns argmax q. Returns (N,) int64 tokens.
     """
-    _check_args(q_logits, uniforms, temperature, top_k, name="q_logits")
+    _check_args(q_logits, uniforms, temperature, top_k, block_v, name="q_logits")
     check_float("p_logits", p_logits, 2)
     if p_logits.shape != q_logits.shape or p_logits.device != q_logits.device:
         raise ValueError(f"p_logits must have q_logits' shape {tuple(q_logits.shape)}, got {tuple(p_logits.shape)}")
-    if temperature == 0:
-        return q_logits.argmax(-1)
-    return _launch(q_logits, p_logits, uniforms, temperature, top_k, block_v)[0]
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
+    return torch.ops.sigmafast.residual_sample(q_logits, p_logits, uniforms, float(temperature), top_k, block_v)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from sigmafast import SigmaGPT, SigmaGPTConfig
@@ -19,3 +22,138 @@ def tiny_model(vocab_size: int = 5, block_size: int = 8, seed: int = 0, std: flo
             if p.dim() >= 2:
                 p.normal_(0.0, std)
     return model.to(dtype).eval()
+
+
+# --- Triton specialisation keys (compile-once checks) ---------------------------------------------
+
+_TRITON_DTYPES = {
+    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "u1",
+}
+
+
+def spec_key(arg, specialize: bool = True, align: bool = True) -> tuple:
+    """The part of Triton's JIT cache key for one non-constexpr argument (mirrors
+    ``triton.runtime.jit.create_function_from_signature`` / ``native_specialize_impl``):
+    ints by i32/i64/u64 and, when specialised, value 1 (a constexpr) and divisibility by 16;
+    tensors by dtype and, when specialised, a 16-byte aligned data pointer; floats and bools by type."""
+    if arg is None:
+        return ("constexpr", None)
+    if isinstance(arg, bool):
+        return ("u1", None)
+    if isinstance(arg, int):
+        ty = "i32" if -2**31 <= arg < 2**31 else "u64" if arg >= 2**63 else "i64"
+        if not specialize:
+            return (ty, None)
+        if arg == 1:
+            return ("constexpr", 1)
+        return (ty, "D" if align and arg % 16 == 0 else "")
+    if isinstance(arg, float):
+        return ("fp32", None)
+    if isinstance(arg, torch.Tensor):
+        ty = "*" + _TRITON_DTYPES.get(arg.dtype, str(arg.dtype))
+        if not specialize:
+            return (ty, None)
+        return (ty, "D" if align and arg.data_ptr() % 16 == 0 else "")
+    raise TypeError(f"no Triton specialisation rule for {type(arg).__name__}")
+
+
+class KernelVariants:
+    """What :func:`count_variants` recorded: per kernel name, the launches and the distinct keys."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, set] = {}
+        self.launches: dict[str, int] = {}
+
+    def counts(self) -> dict[str, int]:
+        """Kernel name -> number of variants Triton's JIT would have compiled."""
+        return {name: len(keys) for name, keys in self.keys.items()}
+
+    def record(self, fn, args: tuple, kwargs: dict) -> None:
+        import inspect
+
+        sig = inspect.signature(fn.fn)
+        params = sig.parameters
+        call = {k: v for k, v in kwargs.items() if k in params}
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
+        bound = sig.bind(*args, **call)
+        bound.apply_defaults()
+        extra = getattr(fn, "kwargs", None) or {}  # InterpretedFunction keeps jit's keywords here
+        names = list(params)
+
+        def listed(attr):
+            chosen = getattr(fn, attr, None) or extra.get(attr) or ()
+            return {names[c] if isinstance(c, int) else c for c in chosen}
+
+        dns, dnsa = listed("do_not_specialize"), listed("do_not_specialize_on_alignment")
+        key = []
+        for name, value in bound.arguments.items():
+            if "constexpr" in str(params[name].annotation):
+                key.append(("constexpr", value))
+            else:
+                key.append(spec_key(value, name not in dns, name not in dnsa))
+        name = fn.fn.__name__
+        self.keys.setdefault(name, set()).add((tuple(key), options))
+        self.launches[name] = self.launches.get(name, 0) + 1
+
+
+@contextlib.contextmanager
+def count_variants() -> Iterator[KernelVariants]:
+    """Record, per Triton kernel launched inside the block, the specialisation keys Triton's JIT
+    computes (its cache key: constexpr values, the specialisation of every other argument,
+    num_warps/num_stages and the other launch options). In the interpreter nothing compiles, so
+    this is how the CPU tests count the variants a GPU would compile; it wraps the run of both the
+    interpreted and the compiled launchers."""
+    from triton.runtime import interpreter, jit
+
+    variants = KernelVariants()
+    patched = []
+    for cls in {interpreter.InterpretedFunction, jit.JITFunction}:
+        original = cls.run
+
+        def run(self, *args, grid, warmup, _original=original, **kwargs):
+            if not warmup:
+                variants.record(self, args, kwargs)
+            return _original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        cls.run = run
+        patched.append((cls, original))
+    try:
+        yield variants
+    finally:
+        for cls, original in patched:
+            cls.run = original
+
+
+def triton_device() -> str:
+    """Where the Triton kernels run in this session: "cpu" in the interpreter, else "cuda"."""
+    import os
+
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
+
+
+def on_triton_device(fn):
+    """``fn`` with its tensor arguments moved to :func:`triton_device` and its tensor results moved back
+    to the first argument's device, so that the CPU-built kernel tests also run compiled on a GPU. An
+    ``out=`` tensor gets the result copied back into it."""
+    device = triton_device()
+
+    def move(x, to):
+        if isinstance(x, torch.Tensor):
+            return x.to(to)
+        if isinstance(x, tuple):
+            return type(x)(*(move(y, to) for y in x)) if hasattr(x, "_fields") else tuple(move(y, to) for y in x)
+        return x
+
+    def call(*args, **kwargs):
+        out = kwargs.get("out")
+        home = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        res = move(fn(*move(args, device), **{k: move(v, device) for k, v in kwargs.items()}), home)
+        if out is not None and out.device.type != device:
+            out.copy_(res)
+            return out
+        return res
+
+    call.__wrapped__ = fn
+    return call

@@ -1,6 +1,7 @@
 """Triton burst / verification attention against kernels/reference.py.
 
-The CPU runs use the Triton interpreter (conftest sets TRITON_INTERPRET=1) in
+The CPU runs use the Triton interpreter (conftest sets TRITON_INTERPRET=1 when
+there is no CUDA device; with one, the same tests run compiled on it) in
 float32; outputs are pre-filled with NaN so an unwritten element fails. The
 error measure is max |out - ref| / max |ref| (per tensor).
 """
@@ -10,9 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import on_triton_device
+from sigmafast.kernels import attention
 from sigmafast.kernels import reference as ref
-from sigmafast.kernels.burst_attn import burst_attention
-from sigmafast.kernels.verify_attn import verify_attention
+
+# in the interpreter on CPU, compiled on a GPU (the tensors are built on the CPU either way)
+burst_attention = on_triton_device(attention.burst_attention)
+verify_attention = on_triton_device(attention.verify_attention)
 
 L_MAX = 200  # several key tiles (32 keys per tile in fp32)
 

@@ -1,4 +1,7 @@
-"""Backend dispatch of sigmafast.kernels, and the sampler end to end on the Triton kernels."""
+"""Backend dispatch of sigmafast.kernels, the custom ops, and the sampler end to end on the Triton kernels.
+
+The tensors are built on the CPU and moved to ``DEVICE``: the CPU in the interpreter, else the GPU.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,15 @@ import pytest
 import torch
 
 import sigmafast
+from helpers import count_variants, triton_device
 from sigmafast import SigmaGPT, SigmaGPTConfig, kernels
 from sigmafast.kernels import reference as ref
+
+DEVICE = triton_device()
+
+
+def _dev(*tensors):
+    return [t.to(DEVICE) for t in tensors]
 
 
 def test_import_does_not_load_triton():
@@ -21,6 +31,7 @@ def test_import_does_not_load_triton():
 
 
 def test_backend_choice(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as conftest sets it without a GPU (read per call)
     x = torch.zeros(2)
     assert kernels.backend_for(x) == "reference"  # conftest: SIGMAFAST_BACKEND=reference
     monkeypatch.setenv("SIGMAFAST_BACKEND", "auto")
@@ -51,20 +62,20 @@ def test_public_functions_dispatch_to_triton(monkeypatch):
     real = sampling.sample
     monkeypatch.setattr(sampling, "sample", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(0)
-    logits, u = torch.randn(6, 11, generator=g), torch.rand(6, generator=g)
+    logits, u = _dev(torch.randn(6, 11, generator=g), torch.rand(6, generator=g))
     with kernels.use_backend("triton"):
         tokens, logp = kernels.sample(logits, u, 0.9, 4)
     assert calls == [1]
     want, want_logp = ref.sample(logits, u, 0.9, 4)
     assert torch.equal(tokens, want)
     torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
-    q = torch.randn(1, 2, 3, 8, generator=g)  # (B, H, R, D), also used as a 3-long cache
+    q, lens = _dev(torch.randn(1, 2, 3, 8, generator=g), torch.tensor([2]))  # (B, H, R, D), also a 3-long cache
     with kernels.use_backend("triton"):
-        out = kernels.burst_attention(q, q, q, q, q, torch.tensor([2]))
-    torch.testing.assert_close(out, ref.burst_attention(q, q, q, q, q, torch.tensor([2])))
-    hidden, weight = torch.randn(1, 2, 3, 16, generator=g), torch.randn(9, 16, generator=g)
-    args = (torch.zeros(1, 2, 3, dtype=torch.long), torch.full((1, 2, 3), -2.0), torch.rand(1, 2, 3, generator=g),
-            torch.tensor([3]))
+        out = kernels.burst_attention(q, q, q, q, q, lens)
+    torch.testing.assert_close(out, ref.burst_attention(q, q, q, q, q, lens))
+    hidden, weight = _dev(torch.randn(1, 2, 3, 16, generator=g), torch.randn(9, 16, generator=g))
+    args = _dev(torch.zeros(1, 2, 3, dtype=torch.long), torch.full((1, 2, 3), -2.0), torch.rand(1, 2, 3, generator=g),
+                torch.tensor([3]))
     with kernels.use_backend("triton"):
         got = kernels.acceptance_from_hidden(hidden, weight, *args)
     want = kernels.acceptance_from_hidden(hidden, weight, *args)  # reference backend
@@ -91,19 +102,126 @@ def _tiny_fp32_model(seed: int = 0) -> SigmaGPT:
     ],
     ids=["burst-paper", "burst-lossless-topk", "autoregressive"],
 )
-def test_generate_triton_matches_reference_backend(kwargs, monkeypatch):
-    used = set()
-    real = kernels._triton
-    monkeypatch.setattr(kernels, "_triton", lambda module, fn: used.add(module) or real(module, fn))
-    model = _tiny_fp32_model()
-    idx = torch.tensor([[1, 2], [3, 0]])
+def test_generate_triton_matches_reference_backend(kwargs):
+    model = _tiny_fp32_model().to(DEVICE)
+    idx = torch.tensor([[1, 2], [3, 0]], device=DEVICE)
     runs = {}
     for backend in ("reference", "triton"):
-        with kernels.use_backend(backend):
-            g = torch.Generator().manual_seed(123)
+        with count_variants() as launched, kernels.use_backend(backend):
+            g = torch.Generator(device=DEVICE).manual_seed(123)
             runs[backend] = sigmafast.generate(model, idx, 6, generator=g, return_stats=True, **kwargs)
+        if backend == "reference":
+            assert launched.launches == {}
     (tok_r, stats_r), (tok_t, stats_t) = runs["reference"], runs["triton"]
     assert torch.equal(tok_t, tok_r)
     assert torch.equal(stats_t.iterations, stats_r.iterations)
-    want = {"burst_attn", "verify_attn", "sampling", "accept"} if kwargs["strategy"] == "burst" else {"sampling"}
+    used = set(launched.launches)
+    want = {"_cascade_attn_kernel", "_sample_kernel"}
+    if kwargs["strategy"] == "burst":
+        assert used & {"_lm_head_logq_kernel", "_draft_logq_kernel"}, f"no draft was scored: {sorted(used)}"
+    if kwargs.get("acceptance") == "lossless":
+        want.add("_residual_kernel")
     assert want <= used, f"the Triton run used only {sorted(used)}"
+
+
+def _backend_calls():
+    g = torch.Generator().manual_seed(3)
+    q, lens = _dev(torch.randn(1, 2, 3, 16, generator=g), torch.tensor([2]))  # (B, H, R, D), also a 3-long cache
+    qo = q[:, None].expand(1, 2, 2, 3, 16)  # (B, O, H, R, D)
+    logits, u = _dev(torch.randn(4, 9, generator=g), torch.rand(4, generator=g))
+    drafts, dl, ua = _dev(torch.zeros(1, 2, 2, dtype=torch.long), torch.full((1, 2, 2), -2.0), torch.rand(1, 2, 2))
+    hidden, weight = _dev(torch.randn(1, 2, 2, 16, generator=g), torch.randn(9, 16, generator=g))
+    return {
+        "burst_attention": lambda **kw: kernels.burst_attention(q, q, q, q, q, lens, **kw),
+        "verify_attention": lambda **kw: kernels.verify_attention(qo, qo, qo, q, q, lens, **kw),
+        "acceptance": lambda **kw: kernels.acceptance(logits.view(1, 2, 2, 9), drafts, dl, ua, lens, **kw),
+        "acceptance_from_hidden": lambda **kw: kernels.acceptance_from_hidden(hidden, weight, drafts, dl, ua, lens,
+                                                                             **kw),
+        "sample": lambda **kw: kernels.sample(logits, u, 0.9, **kw),
+        "residual_sample": lambda **kw: kernels.residual_sample(logits, logits.flip(0), u, **kw),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_backend_calls()))
+def test_explicit_backend_argument(name, monkeypatch):
+    """``backend=`` is used as is: no environment or context read, and it beats ``use_backend``."""
+    call = _backend_calls()[name]
+    monkeypatch.setattr(kernels, "backend_for", lambda t: pytest.fail("backend_for was read"))
+    with count_variants() as launched, kernels.use_backend("triton"):
+        call(backend="reference")
+    assert launched.launches == {}
+    with count_variants() as launched, kernels.use_backend("reference"):
+        call(backend="triton")
+    assert launched.launches
+    for bad in ("auto", "cuda", ""):
+        with pytest.raises(ValueError, match="backend must be None, 'triton' or 'reference'"):
+            call(backend=bad)
+
+
+def test_kernels_are_custom_ops():
+    from sigmafast.kernels import ops
+
+    for name in ops.OPS:
+        assert isinstance(getattr(torch.ops.sigmafast, name), torch._ops.OpOverloadPacket), name
+    g = torch.Generator().manual_seed(4)
+    q, kc, lens = _dev(torch.randn(2, 3, 5, 16, generator=g), torch.randn(2, 5, 40, 16, generator=g),
+                       torch.tensor([7, 40]))
+    q = q.transpose(1, 2)  # (B, H=5, R=3, D) view
+    logits, u, drafts, hidden, weight = _dev(torch.randn(6, 9, generator=g), torch.rand(6, generator=g),
+                                             torch.randint(0, 9, (6,), generator=g), torch.randn(6, 16, generator=g),
+                                             torch.randn(9, 16, generator=g))
+    samples = {
+        "burst_attention": (q, q, q, kc, kc, lens, None, 2),
+        "verify_attention": (q[:, None].expand(2, 2, 5, 3, 16), q[:, None].expand(2, 2, 5, 3, 16),
+                             q[:, None].expand(2, 2, 5, 3, 16), kc, kc, lens, 0.3, None),
+        "draft_logq": (logits, drafts, 0.8, 3, None),
+        "lm_head_logq": (hidden, weight, drafts, 0.0),
+        "sample": (logits, u, 1.0, None, None),
+        "residual_sample": (logits, logits.flip(0), u, 0.7, 2, 8),
+    }
+    for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
+        torch.library.opcheck(getattr(torch.ops.sigmafast, name).default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph_traces_the_triton_ops():
+    """One function over every dispatch function on the Triton path compiles with fullgraph=True
+    (a graph break raises) and gives the eager results."""
+    g = torch.Generator().manual_seed(5)
+    B, O, H, R, D, L, V = 2, 2, 2, 3, 16, 20, 9
+    C = H * D
+    kc, vc = _dev(*torch.randn(2, B, H, L, D, generator=g))
+    q, k, v = _dev(*torch.randn(3, B, O, H, R, D, generator=g))
+    lens, hidden, weight = _dev(torch.tensor([5, 20]), torch.randn(B, O, R, C, generator=g),
+                                torch.randn(V, C, generator=g))
+    u, ua, ur = _dev(torch.rand(B * R, generator=g), torch.rand(B, O, R, generator=g), torch.rand(B, generator=g))
+
+    def step(q, k, v, hidden):
+        x = kernels.burst_attention(q[:, 0], k[:, 0], v[:, 0], kc, vc, lens, backend="triton")
+        y = kernels.verify_attention(q, k, v, kc, vc, lens, backend="triton")
+        p_logits = (x + y[:, 1]).transpose(1, 2).reshape(B, R, H * D) @ weight.T  # (B, R, V)
+        tok, logp = kernels.sample(p_logits.flatten(0, 1), u, 0.9, backend="triton")
+        drafts = tok.view(B, 1, R).expand(B, O, R)
+        draft_logp = logp.view(B, 1, R).expand(B, O, R)
+        res = kernels.acceptance(hidden @ weight.T, drafts, draft_logp, ua, lens.clamp(max=R), 0.9, 4, "paper",
+                                 backend="triton")
+        res_h = kernels.acceptance_from_hidden(hidden, weight, drafts, draft_logp, ua, lens.clamp(max=R), 0.9,
+                                               rule="lossless", backend="triton")
+        r_tok = kernels.residual_sample(hidden[:, 0, 0] @ weight.T, p_logits[:, 0], ur, 0.9, backend="triton")
+        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, r_tok
+
+    traced = set()
+
+    def eager_recording(gm, example_inputs):  # the "eager" backend, noting the graph's ops
+        traced.update(str(n.target).removesuffix(".default") for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    with kernels.use_backend("triton"):
+        want = step(q, k, v, hidden)
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend=eager_recording)(q, k, v, hidden)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ops = {f"sigmafast.{name}" for name in
+           ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample")}
+    assert ops <= traced, f"not in the graph: {ops - traced}"

@@ -1,6 +1,7 @@
 """Triton sampling, residual sampling and acceptance against kernels/reference.py.
 
-Run in the Triton interpreter on CPU (conftest sets TRITON_INTERPRET=1), fp32.
+Run in the Triton interpreter on CPU (conftest sets TRITON_INTERPRET=1 when there
+is no CUDA device; with one, compiled on it), fp32.
 Token equality with the reference is exact except at float-rounding ties: a
 row may differ only if its target ``u * total`` lies within 1e-5 of a CDF
 boundary of the reference (checked, never just tolerated). The chi-square
@@ -12,9 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import on_triton_device
+from sigmafast.kernels import accept, sampling
 from sigmafast.kernels import reference as ref
-from sigmafast.kernels.accept import acceptance, acceptance_from_hidden
-from sigmafast.kernels.sampling import residual_sample, sample
+
+# in the interpreter on CPU, compiled on a GPU (the tensors are built on the CPU either way)
+acceptance = on_triton_device(accept.acceptance)
+acceptance_from_hidden = on_triton_device(accept.acceptance_from_hidden)
+residual_sample = on_triton_device(sampling.residual_sample)
+sample = on_triton_device(sampling.sample)
 
 
 def _assert_same_tokens(tokens, want, probs, uniforms):

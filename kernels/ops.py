@@ -1,0 +1,102 @@
+"""The Triton launchers as PyTorch custom ops (``torch.ops.sigmafast.*``), so that torch.compile traces
+through them without a graph break.
+
+=================================  ==========================================================
+op                                 inputs -> outputs
+=================================  ==========================================================
+``sigmafast::burst_attention``     q, k, v (B, H, R, D), caches (B, H, L, D), lens (B,) -> like q
+``sigmafast::verify_attention``    q, k, v (B, O, H, R, D), caches, lens -> like q
+``sigmafast::draft_logq``          logits (N, V), drafts (N,) -> (N,) float32 log q (int64 argmax at T=0)
+``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,) -> as ``draft_logq``
+``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, log-probs (N,)
+``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
+=================================  ==========================================================
+
+Every op is functional: it returns new tensors and mutates none of its inputs.
+The ops do not check their inputs: the public functions of ``attention``,
+``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
+validate in Python first, then call the op. Importing this module imports
+triton, so :mod:`sigmafast.kernels` imports it only on the Triton path.
+(No ``from __future__ import annotations`` here: ``custom_op`` reads the
+schema from the annotations.)
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .accept import draft_logq, lm_head_logq
+from .attention import cascade_attention
+from .sampling import launch
+
+
+def _like_q(q, k, v, k_cache, v_cache, cache_lens, scale=None, num_splits=None) -> Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("sigmafast::burst_attention", mutates_args=())
+def _burst_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_lens: Tensor,
+                     scale: Optional[float] = None, num_splits: Optional[int] = None) -> Tensor:
+    return cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale, None, num_splits)
+
+
+@torch.library.custom_op("sigmafast::verify_attention", mutates_args=())
+def _verify_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cache_lens: Tensor,
+                      scale: Optional[float] = None, num_splits: Optional[int] = None) -> Tensor:
+    return cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale, None, num_splits)
+
+
+_burst_attention.register_fake(_like_q)
+_verify_attention.register_fake(_like_q)
+
+
+def _scores(rows: Tensor, temperature: float) -> Tensor:
+    return rows.new_empty(rows.shape[0], dtype=torch.int64 if temperature == 0 else torch.float32)
+
+
+@torch.library.custom_op("sigmafast::draft_logq", mutates_args=())
+def _draft_logq(logits: Tensor, drafts: Tensor, temperature: float, top_k: Optional[int] = None,
+                block_v: Optional[int] = None) -> Tensor:
+    return draft_logq(logits, drafts, temperature, top_k, block_v)
+
+
+@_draft_logq.register_fake
+def _(logits, drafts, temperature, top_k=None, block_v=None):
+    return _scores(logits, temperature)
+
+
+@torch.library.custom_op("sigmafast::lm_head_logq", mutates_args=())
+def _lm_head_logq(hidden: Tensor, weight: Tensor, drafts: Tensor, temperature: float) -> Tensor:
+    return lm_head_logq(hidden, weight, drafts, temperature)
+
+
+@_lm_head_logq.register_fake
+def _(hidden, weight, drafts, temperature):
+    return _scores(hidden, temperature)
+
+
+@torch.library.custom_op("sigmafast::sample", mutates_args=())
+def _sample(logits: Tensor, uniforms: Tensor, temperature: float, top_k: Optional[int] = None,
+            block_v: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    return launch(logits, None, uniforms, temperature, top_k, block_v)
+
+
+@_sample.register_fake
+def _(logits, uniforms, temperature, top_k=None, block_v=None):
+    N = logits.shape[0]
+    return logits.new_empty(N, dtype=torch.int64), logits.new_empty(N)
+
+
+@torch.library.custom_op("sigmafast::residual_sample", mutates_args=())
+def _residual_sample(q_logits: Tensor, p_logits: Tensor, uniforms: Tensor, temperature: float,
+                     top_k: Optional[int] = None, block_v: Optional[int] = None) -> Tensor:
+    return launch(q_logits, p_logits, uniforms, temperature, top_k, block_v)[0]
+
+
+@_residual_sample.register_fake
+def _(q_logits, p_logits, uniforms, temperature, top_k=None, block_v=None):
+    return q_logits.new_empty(q_logits.shape[0], dtype=torch.int64)
+
+
+OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample")
