@@ -144,13 +144,14 @@ def acceptance(
 
 def acceptance_from_hidden(
     hidden, weight, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper", *,
-    backend: Optional[str] = None,
+    backend: Optional[str] = None, scoring: Optional[str] = None,
 ) -> Acceptance:
     """:func:`acceptance` of the logits ``hidden @ weight.T`` ((B, O, R, C) and (V, C)); the Triton
-    kernel never writes the logits."""
+    path never writes all the logits at once (``scoring``: see :func:`accept.acceptance_from_hidden`)."""
     if _resolve(backend, hidden) == "triton":
         fn = _accept().acceptance_from_hidden
-        return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+        extra = {} if scoring is None else {"scoring": scoring}
+        return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule, **extra)
     logits = hidden @ weight.T
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()

@@ -10,11 +10,12 @@ logit per row from ``torch.topk`` (an (N, k) temporary) as a threshold. The
 accept/reject decisions are a handful of (B, O, R) torch ops, the same as the
 reference's, so they agree with it exactly for the same log q.
 
-:func:`acceptance_from_hidden` (the issue's stretch goal) takes the final hidden
-states and the LM-head weight instead, and computes each logit tile with a
-tl.dot inside the same online log-sum-exp, so the (B·O·R, V) logits are never
-written. Its tiles are fixed (``LM_HEAD_TILES``), its only constexpr choice is
-greedy or not.
+:func:`acceptance_from_hidden` takes the final hidden states and the LM-head
+weight instead: by default a cuBLAS matmul per row chunk feeding the same
+kernel (one chunk of logits at a time), or (``scoring="fused"``) a kernel that
+computes each logit tile with a tl.dot inside the same online log-sum-exp, so
+the (B·O·R, V) logits are never written. Its tiles are fixed
+(``LM_HEAD_TILES``), its only constexpr choice is greedy or not.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from .reference import RULES, Acceptance, decide
 from .utils import (
     check_block_v, check_float, kth_largest, load_logits, online_lse, row_stride, rows_ready, vocab_config,
 )
+
+
+SCORINGS = ("matmul", "fused")
+SCORING = "matmul"  # H200, 1280 x 768 -> 50257 bf16 (issue 10): fused 3.30 ms, matmul + log q kernel 1.21 ms
+CHUNK_ELEMENTS = 1 << 25  # logits per matmul chunk (64 MiB in bf16)
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -232,15 +238,24 @@ def acceptance_from_hidden(
     temperature: float = 1.0,
     top_k: Optional[int] = None,
     rule: str = "paper",
+    *,
+    scoring: str = SCORING,
 ) -> Acceptance:
-    """:func:`acceptance` of the logits ``hidden @ weight.T``, without writing them.
+    """:func:`acceptance` of the logits ``hidden @ weight.T``, never all written at once.
 
     hidden: (B, O, R, C) final hidden states (after the last layer norm);
-    weight: (V, C) LM-head weight (no bias), same dtype. The (B·O·R, V)
-    logits live only tile by tile in the kernel (the cut-cross-entropy idea).
-    top-k needs the k-th largest logit of each row, so with ``top_k`` the
-    logits are materialised and :func:`acceptance` is used instead.
+    weight: (V, C) LM-head weight (no bias), same dtype. ``scoring``:
+
+    - ``"matmul"``: cuBLAS ``hidden @ weight.T`` over row chunks of at most
+      ``CHUNK_ELEMENTS`` logits, each streamed once by the log q kernel (the
+      logits of one chunk exist at a time; top-k is supported);
+    - ``"fused"``: the logits live only tile by tile in one kernel (the
+      cut-cross-entropy idea); with ``top_k`` it falls back to ``"matmul"``.
+
+    The default, ``SCORING``, is the faster on the GPU (benchmarks/RESULTS.md).
     """
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     check_float("hidden", hidden, 4)
     check_float("weight", weight, 2)
     if weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
@@ -250,14 +265,20 @@ def acceptance_from_hidden(
         )
     B, O, R, C = hidden.shape
     V = weight.shape[0]
-    if top_k is not None and top_k < V and temperature != 0:  # greedy: top-k cannot change the argmax
-        return acceptance(hidden @ weight.T, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     _check_scoring((B, O, R), hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     greedy = temperature == 0
-    res = torch.ops.sigmafast.lm_head_logq(hidden.reshape(B * O * R, C), weight, drafts.reshape(-1),
-                                           float(temperature))
+    rows, flat_drafts = hidden.reshape(B * O * R, C), drafts.reshape(-1)
+    if scoring == "matmul" or (top_k is not None and top_k < V and not greedy):
+        step = max(1, CHUNK_ELEMENTS // max(V, 1))
+        res = torch.cat([
+            torch.ops.sigmafast.draft_logq(rows[i: i + step] @ weight.T, flat_drafts[i: i + step],
+                                           float(temperature), None if greedy else top_k, None)
+            for i in range(0, max(B * O * R, 1), step)
+        ])[: B * O * R]
+    else:
+        res = torch.ops.sigmafast.lm_head_logq(rows, weight, flat_drafts, float(temperature))
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(hidden.dtype))
     return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
 

@@ -135,8 +135,9 @@ def test_vocabulary_ops_over_row_counts():
             dl, ua, lens = torch.full((B, O, R), -1.0), torch.rand(B, O, R, generator=g), torch.full((B,), R)
             for temperature, top_k in ((1.0, None), (0.8, 2), (0.0, None)):
                 acceptance(logits, drafts, dl, ua, lens, temperature, top_k)
-                acceptance_from_hidden(torch.randn(B, O, R, C, generator=g), weight, drafts, dl, ua, lens,
-                                       temperature, top_k)
+                for scoring in accept.SCORINGS:
+                    acceptance_from_hidden(torch.randn(B, O, R, C, generator=g), weight, drafts, dl, ua, lens,
+                                           temperature, top_k, scoring=scoring)
     _assert_bounded(v, ["_sample_kernel", "_residual_kernel", "_draft_logq_kernel", "_draft_argmax_kernel",
                         "_lm_head_logq_kernel"])
 

@@ -206,9 +206,11 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         res = kernels.acceptance(hidden @ weight.T, drafts, draft_logp, ua, lens.clamp(max=R), 0.9, 4, "paper",
                                  backend="triton")
         res_h = kernels.acceptance_from_hidden(hidden, weight, drafts, draft_logp, ua, lens.clamp(max=R), 0.9,
-                                               rule="lossless", backend="triton")
+                                               rule="lossless", backend="triton", scoring="fused")
+        res_m = kernels.acceptance_from_hidden(hidden, weight, drafts, draft_logp, ua, lens.clamp(max=R), 0.9,
+                                               rule="lossless", backend="triton", scoring="matmul")
         r_tok = kernels.residual_sample(hidden[:, 0, 0] @ weight.T, p_logits[:, 0], ur, 0.9, backend="triton")
-        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, r_tok
+        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok
 
     traced = set()
 

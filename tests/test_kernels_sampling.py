@@ -169,13 +169,17 @@ def test_acceptance_matches_reference(case, rule):
         assert 0 < got.accept.float().mean() < 1  # both outcomes occur
 
 
+@pytest.mark.parametrize("scoring,chunk", [("fused", None), ("matmul", None), ("matmul", 1000)],
+                         ids=["fused", "matmul", "matmul-chunks-of-3-rows"])
 @pytest.mark.parametrize(
     "temperature, top_k, rule",
     [(1.0, None, "paper"), (0.7, None, "lossless"), (0.0, None, "paper"), (1.0, 5, "paper")],
-    ids=["T1", "T0.7-lossless", "greedy", "topk-fallback"],
+    ids=["T1", "T0.7-lossless", "greedy", "topk"],
 )
-def test_acceptance_from_hidden(temperature, top_k, rule):
-    """Fused LM head: log q and decisions as acceptance() on the materialised logits."""
+def test_acceptance_from_hidden(temperature, top_k, rule, scoring, chunk, monkeypatch):
+    """Scoring from hidden states: log q and decisions as acceptance() on the materialised logits."""
+    if chunk is not None:
+        monkeypatch.setattr(accept, "CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(7)
     B, O, R, C, V = 2, 3, 7, 40, 300
     hidden = torch.randn(B, O, R, C, generator=g)
@@ -191,7 +195,8 @@ def test_acceptance_from_hidden(temperature, top_k, rule):
         draft_logp = lp.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand(B, O, R, generator=g)
     lengths = torch.tensor([R, 2])
-    got = acceptance_from_hidden(hidden, weight, drafts, draft_logp, u, lengths, temperature, top_k, rule)
+    got = acceptance_from_hidden(hidden, weight, drafts, draft_logp, u, lengths, temperature, top_k, rule,
+                                 scoring=scoring)
     want = ref.acceptance(logits, drafts, draft_logp, u, lengths, temperature, top_k, rule)
     if temperature > 0:
         exact = ref.log_probs(logits, temperature, top_k).gather(-1, drafts[..., None]).squeeze(-1)
@@ -200,6 +205,9 @@ def test_acceptance_from_hidden(temperature, top_k, rule):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     with pytest.raises(ValueError, match="weight must be"):
         acceptance_from_hidden(hidden, weight[:, :8], drafts, draft_logp, u, lengths, temperature, top_k, rule)
+    with pytest.raises(ValueError, match="scoring must be one of"):
+        acceptance_from_hidden(hidden, weight, drafts, draft_logp, u, lengths, temperature, top_k, rule,
+                               scoring="cublas")
 
 
 @pytest.mark.parametrize(
