@@ -17,11 +17,11 @@ run() {  # name, limit in seconds, command...
     echo "== $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
     tail -n 25 "$OUT/$name.log"
 }
-run tests "${GPU_TESTS_LIMIT:-150}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs
-run engine "${GPU_ENGINE_LIMIT:-300}" python -m pytest benchmarks/bench_engine.py --benchmark-only -q \
-    -p no:cacheprovider --benchmark-json="$OUT/engine.json" --benchmark-columns=median,rounds
+run tests "${GPU_TESTS_LIMIT:-90}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs
+run engine "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py --benchmark-only -q \
+    -p no:cacheprovider --benchmark-json="$OUT/engine.json" --benchmark-columns=median,rounds -k "${GPU_ENGINE_K:-first_call or engine or gpt2}"
 if [ "${GPU_KERNELS:-1}" = 1 ]; then
-    run kernels "${GPU_KERNELS_LIMIT:-120}" python -m pytest benchmarks/bench_kernels.py --benchmark-only -q \
+    run kernels "${GPU_KERNELS_LIMIT:-60}" python -m pytest benchmarks/bench_kernels.py --benchmark-only -q \
         -p no:cacheprovider --benchmark-json="$OUT/kernels.json" --benchmark-columns=median,rounds
 fi
 cat "$OUT/summary.txt"
