@@ -70,7 +70,9 @@ SAMPLING = dict(temperature=1.0, top_k=None)
 STRATEGIES = {
     "ar": dict(strategy="autoregressive", order="left-to-right"),
     "burst": dict(strategy="burst", num_orders=5, acceptance="paper"),
+    "ar-inductor": dict(strategy="autoregressive", order="left-to-right"),  # Engine(compile_steps="inductor")
 }
+COMPILED = {"ar-inductor": "inductor"}  # CUDA only: inductor's compile time is minutes on a small CPU
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -276,15 +278,21 @@ def test_first_call(benchmark, tmp_path):
 ])
 def test_engine(benchmark, strategy, shape, batch):
     _skip_shape(shape)
+    if strategy in COMPILED and not CUDA:
+        pytest.skip("compiled steps are benchmarked on CUDA only")
+    if strategy in COMPILED and shape == "tiny":
+        pytest.skip("compiled steps: small and gpt2 shapes only (compile time)")
     model = _model("sigma", shape)
     prompt = _prompt(batch, PROMPT)
     kwargs = {**STRATEGIES[strategy], **SAMPLING}
     warmup = getattr(sigmafast, "warmup", None)
     target, warmup_s = model, None
+    if strategy in COMPILED:
+        target = sigmafast.Engine(model, compile_steps=COMPILED[strategy])
     if warmup is not None:
         opts = {k: v for k, v in kwargs.items() if k != "order"}
         t0 = time.perf_counter()
-        target = warmup(model, batch_size=batch, seq_len=PROMPT + NEW, **opts)
+        target = warmup(target, batch_size=batch, seq_len=PROMPT + NEW, **opts)
         synchronize(DEVICE)
         warmup_s = time.perf_counter() - t0
 
@@ -298,8 +306,8 @@ def test_engine(benchmark, strategy, shape, batch):
     wall = statistics.median(seconds)
     info = _case_info(shape, batch, kind="engine", strategy=kwargs["strategy"], warmup_api=warmup is not None,
                       warmup_s=warmup_s, seconds_median=wall, **SAMPLING)
-    if strategy == "ar":
-        info.update(order=kwargs["order"], ms_per_token=1e3 * wall / NEW)
+    if kwargs["strategy"] == "autoregressive":
+        info.update(order=kwargs["order"], ms_per_token=1e3 * wall / NEW, compile_steps=COMPILED.get(strategy))
     else:
         iters = stats.iterations.double().cpu()
         stamps = []  # one untimed call with a sync after every iteration: iterations apart from the prefill

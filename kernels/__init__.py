@@ -144,15 +144,19 @@ def acceptance(
 
 def acceptance_from_hidden(
     hidden, weight, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper", *,
-    backend: Optional[str] = None, scoring: Optional[str] = None,
+    backend: Optional[str] = None, scoring: Optional[str] = None, vocab_size: Optional[int] = None,
 ) -> Acceptance:
-    """:func:`acceptance` of the logits ``hidden @ weight.T`` ((B, O, R, C) and (V, C)); the Triton
-    path never writes all the logits at once (``scoring``: see :func:`accept.acceptance_from_hidden`)."""
+    """:func:`acceptance` of the logits ``(hidden @ weight.T)[..., :vocab_size]`` ((B, O, R, C) and
+    (V', C), rows past ``vocab_size`` being alignment padding); the Triton path never writes all the
+    logits at once (``scoring``: see :func:`accept.acceptance_from_hidden`)."""
     if _resolve(backend, hidden) == "triton":
         fn = _accept().acceptance_from_hidden
         extra = {} if scoring is None else {"scoring": scoring}
-        return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule, **extra)
+        return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
+                  vocab_size=vocab_size, **extra)
     logits = hidden @ weight.T
+    if vocab_size is not None:
+        logits = logits[..., :vocab_size]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)

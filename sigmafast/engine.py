@@ -25,9 +25,13 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import kernels
 from .cache import KVCache
+
+
+HEAD_ALIGN = 64  # on CUDA the LM head's output rows are padded to a multiple of this many logits
 
 
 def float_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -68,7 +72,7 @@ class NeuralConditionals:
 class NeuralSession:
     """Static state of one sampling call: canvas, known mask, KV cache and last token."""
 
-    def __init__(self, model, batch_size: int, seq_len: int, backend: str) -> None:
+    def __init__(self, model, batch_size: int, seq_len: int, backend: str, head_align: Optional[int] = None) -> None:
         cfg = model.config
         param = next(model.parameters())
         device = param.device
@@ -80,6 +84,12 @@ class NeuralSession:
         self.known = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
         self.last_tok = torch.full((batch_size,), cfg.bos_token_id, dtype=torch.long, device=device)
         self.last_pos = torch.full((batch_size,), cfg.start_pos, dtype=torch.long, device=device)
+        self.vocab_size = V = cfg.vocab_size
+        weight = model.lm_head.weight
+        align = head_align or (HEAD_ALIGN if device.type == "cuda" else 1)
+        padded = -(-V // align) * align
+        # (V', C) LM head whose rows past V are zeros: aligned logits rows for cuBLAS (copied at prefill)
+        self.head_weight = weight if padded == V else weight.new_zeros(padded, weight.shape[1])
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +100,8 @@ class NeuralSession:
         complete padding) and feed each row's known tokens in ascending position order."""
         cfg = self.model.config
         n = canvas.shape[0]
+        if self.head_weight is not self.model.lm_head.weight:
+            self.head_weight[: self.vocab_size].copy_(self.model.lm_head.weight)
         self.cache.lens.zero_()
         self.canvas.zero_()
         self.known.fill_(True)
@@ -123,14 +135,9 @@ class NeuralSession:
 
         return self.head(model.run_layers(x, attend))
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        """(V, C) LM-head weight, for acceptance straight from hidden states."""
-        return self.model.lm_head.weight
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits (float32 for 16-bit models)."""
-        return float_logits(self.model.lm_head(h))
+        return float_logits(F.linear(h, self.head_weight)[..., : self.vocab_size])
 
     def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> Verified:
         """Feed ``[last, drafts[:-1]]`` along each of the (B, O, R) orders, causal within each order."""
@@ -154,10 +161,14 @@ class NeuralSession:
         """Append the first ``n[b]`` inputs of order ``choice[b]`` of ``verified``; the token at that
         order's step ``n[b] - 1`` (read from the updated canvas) becomes the last token."""
         orders = verified.orders
-        B = orders.shape[0]
+        B, O = orders.shape[:2]
         rows = torch.arange(B, device=orders.device)
-        k = torch.stack([k_i[rows, choice] for k_i in verified.keys])  # (n_layer, B, H, R, D)
-        v = torch.stack([v_i[rows, choice] for v_i in verified.values])
+        if O == 1:  # one order (autoregressive, prefill, lossless): views, no gather
+            k = torch.stack([k_i[:, 0] for k_i in verified.keys])  # (n_layer, B, H, R, D)
+            v = torch.stack([v_i[:, 0] for v_i in verified.values])
+        else:
+            k = torch.stack([k_i[rows, choice] for k_i in verified.keys])
+            v = torch.stack([v_i[rows, choice] for v_i in verified.values])
         self.cache.append(k, v, n)
         chosen = orders[rows, choice]  # (B, R)
         pos = chosen.gather(1, (n - 1).clamp_min(0)[:, None]).squeeze(1)

@@ -73,12 +73,12 @@ class _Graphs:
         self.seen: set = set()
         self.pool = None
 
-    def run(self, key, fn: Callable, capture_now: bool = False):
+    def run(self, key, fn: Callable):
         entry = self.graphs.get(key)
         if entry is not None:
             entry[0].replay()
             return entry[1]
-        if key not in self.seen and not capture_now:
+        if key not in self.seen:
             self.seen.add(key)
             return fn()
         graph = torch.cuda.CUDAGraph()
@@ -86,8 +86,7 @@ class _Graphs:
             out = fn()
         self.pool = graph.pool()  # one memory pool for every step: outputs are cloned after each replay
         self.graphs[key] = (graph, out)
-        if not capture_now:
-            graph.replay()
+        graph.replay()
         return out
 
 
@@ -95,14 +94,19 @@ class Engine(EagerRunner):
     """Bucketed static shapes, reusable sessions and CUDA-graph replay for one :class:`SigmaGPT`.
 
     ``buckets`` and ``cuda_graphs`` default to True on CUDA and False elsewhere;
-    ``cuda_graphs`` needs ``buckets`` and a CUDA model. Pass the engine to
+    ``cuda_graphs`` needs ``buckets`` and a CUDA model. ``compile_steps`` (a
+    ``torch.compile`` backend name, e.g. "inductor") compiles the step functions
+    with ``fullgraph=True`` first, fusing their small ops; it costs a compilation
+    per shape (one for autoregressive sampling, one per R bucket for burst, within
+    dynamo's recompile limit). Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
 
     _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None) -> None:
+    def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
+                 compile_steps: Optional[str] = None) -> None:
         if not is_sigma_gpt(model):
             raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
         on_cuda = next(model.parameters()).is_cuda
@@ -111,6 +115,13 @@ class Engine(EagerRunner):
         self.cuda_graphs = (on_cuda and self.buckets) if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and not (on_cuda and self.buckets):
             raise ValueError("cuda_graphs=True needs a model on a CUDA device and buckets=True")
+        if compile_steps is not None and not isinstance(compile_steps, str):
+            raise TypeError(f"compile_steps must be None or a torch.compile backend name, got {compile_steps!r}")
+        self.compile_steps = compile_steps
+        self._burst_step, self._ar_step = steps.burst_step, steps.ar_step
+        if compile_steps is not None:  # fuse the step's small ops (then captured as usual)
+            self._burst_step = torch.compile(steps.burst_step, fullgraph=True, dynamic=False, backend=compile_steps)
+            self._ar_step = torch.compile(steps.ar_step, fullgraph=True, dynamic=False, backend=compile_steps)
         self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing
         self._static: dict = {}  # (id(session), kind) -> static input buffers
         self._graphs = _Graphs()
@@ -165,20 +176,20 @@ class Engine(EagerRunner):
                 buf.copy_(t, non_blocking=True)
         return buffers
 
-    def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule, capture_now: bool = False):
+    def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
         if not self.cuda_graphs:
-            return steps.burst_step(session, d, R, temperature, top_k, rule)
+            return self._burst_step(session, d, R, temperature, top_k, rule)
         d = self.static(session, f"burst{d.keys.shape[1]}", d)
         key = ("burst", id(session), R, d.keys.shape[1], temperature, top_k, rule)
-        out = self._graphs.run(key, lambda: steps.burst_step(session, d, R, temperature, top_k, rule), capture_now)
+        out = self._graphs.run(key, lambda: self._burst_step(session, d, R, temperature, top_k, rule))
         return tuple(t.clone() for t in out)
 
-    def ar(self, session, plan: steps.ARPlan, temperature, top_k, capture_now: bool = False) -> None:
+    def ar(self, session, plan: steps.ARPlan, temperature, top_k) -> None:
         if not self.cuda_graphs:
-            steps.ar_step(session, plan, temperature, top_k)
+            self._ar_step(session, plan, temperature, top_k)
             return
         key = ("ar", id(session), temperature, top_k)
-        self._graphs.run(key, lambda: steps.ar_step(session, plan, temperature, top_k), capture_now)
+        self._graphs.run(key, lambda: self._ar_step(session, plan, temperature, top_k))
 
 
 def runner_for(model):

@@ -94,7 +94,8 @@ def accept(session, verified: Verified, drafts: Drafts, u_accept: torch.Tensor, 
 
     args = (along(drafts.tokens), along(drafts.logp), along(u_accept), remaining, temperature, top_k, rule)
     if verified.hidden is not None:
-        return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, backend=_backend(session))
+        return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, backend=_backend(session),
+                                              vocab_size=session.vocab_size)
     return kernels.acceptance(verified.logits, *args, backend=_backend(session))
 
 

@@ -87,6 +87,18 @@ def test_ar_step_compiles_without_graph_breaks(model, backend):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
+def test_compiled_steps_give_the_eager_tokens(model, strategy):
+    """Engine(compile_steps=...) runs the steps through torch.compile(fullgraph=True)."""
+    idx = torch.randint(0, VOCAB, (2, 2), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(strategy=strategy, num_orders=2, temperature=0.9, return_stats=True)
+    torch._dynamo.reset()
+    compiled = sigmafast.Engine(model, buckets=True, compile_steps="aot_eager")
+    got, s_got = sigmafast.generate(compiled, idx, T - 2, generator=torch.Generator().manual_seed(1), **kwargs)
+    want, s_want = sigmafast.generate(model, idx, T - 2, generator=torch.Generator().manual_seed(1), **kwargs)
+    assert torch.equal(got, want) and torch.equal(s_got.accepted, s_want.accepted)
+
+
 def test_engine_defaults_and_bad_input(model):
     engine = sigmafast.Engine(model)
     assert not engine.buckets and not engine.cuda_graphs  # CPU: exact shapes, no graphs
@@ -95,6 +107,8 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, cuda_graphs=True)
     with pytest.raises(TypeError, match="model must be a SigmaGPT"):
         sigmafast.Engine(object())
+    with pytest.raises(TypeError, match="compile_steps must be None or a torch.compile backend name"):
+        sigmafast.Engine(model, compile_steps=True)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         sigmafast.warmup(model, 0, T)
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
@@ -140,11 +154,37 @@ def test_cuda_graphs_replay_the_eager_tokens(strategy, acceptance, num_orders):
     graphs = sigmafast.Engine(model)
     assert graphs.cuda_graphs
     kwargs = dict(strategy=strategy, acceptance=acceptance, num_orders=num_orders, return_stats=True)
-    for seed in range(4):  # the first call runs eagerly, later ones capture and replay
-        idx = torch.randint(0, VOCAB, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-        want, s_want = sigmafast.generate(eager, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
-        got, s_got = sigmafast.generate(graphs, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
-        assert torch.equal(got, want)
-        assert torch.equal(s_got.accepted, s_want.accepted)
+    with kernels.use_backend("triton"):
+        assert graphs.backend == "triton"
+        for seed in range(4):  # the first call runs eagerly, later ones capture and replay
+            idx = torch.randint(0, VOCAB, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            want, s_want = sigmafast.generate(eager, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
+            got, s_got = sigmafast.generate(graphs, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
+            assert torch.equal(got, want)
+            assert torch.equal(s_got.accepted, s_want.accepted)
     assert graphs._graphs.graphs, "no step was captured"
-    assert kernels.backend_for(next(model.parameters())) == "triton"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_padded_lm_head_gives_the_same_steps(model, backend):
+    """Sessions on CUDA pad the LM head to a multiple of 64 rows (aligned logits for cuBLAS); drafts,
+    scores and residuals read only the first V logits, so the steps are unchanged."""
+
+    def run(head_align):
+        canvas = torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(0))
+        known = torch.rand(3, T, generator=torch.Generator().manual_seed(1)) < 0.3
+        session = NeuralSession(model, 3, T, backend, head_align=head_align)
+        session.prefill(canvas, known)
+        g = torch.Generator().manual_seed(5)
+        outs = [steps.burst_step(session, draw_burst(g, 3, 1, T, "cpu"), T, 0.9, 3, "lossless") for _ in range(2)]
+        return session, outs
+
+    with torch.no_grad():
+        padded, got = run(16)
+        plain, want = run(None)
+    assert padded.head_weight.shape == (16, model.config.n_embd)
+    assert padded.head_weight[VOCAB:].eq(0).all() and plain.head_weight is model.lm_head.weight
+    assert torch.equal(padded.canvas, plain.canvas)
+    for o_got, o_want in zip(got, want):
+        for a, b in zip(o_got, o_want):
+            assert torch.equal(a, b)
