@@ -240,6 +240,7 @@ def acceptance_from_hidden(
     rule: str = "paper",
     *,
     scoring: str = SCORING,
+    vocab_size: Optional[int] = None,
 ) -> Acceptance:
     """:func:`acceptance` of the logits ``hidden @ weight.T``, never all written at once.
 
@@ -252,7 +253,9 @@ def acceptance_from_hidden(
     - ``"fused"``: the logits live only tile by tile in one kernel (the
       cut-cross-entropy idea); with ``top_k`` it falls back to ``"matmul"``.
 
-    The default, ``SCORING``, is the faster on the GPU (benchmarks/RESULTS.md).
+    The default, ``SCORING``, is the faster on the GPU (benchmarks/RESULTS.md). ``vocab_size``: only
+    the first rows of ``weight`` are the vocabulary, the others zero padding that keeps the matmul's
+    output rows aligned (cuBLAS is several times slower on a 50257-wide output than a 50304-wide one).
     """
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
@@ -264,7 +267,9 @@ def acceptance_from_hidden(
             f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
         )
     B, O, R, C = hidden.shape
-    V = weight.shape[0]
+    V = weight.shape[0] if vocab_size is None else vocab_size
+    if isinstance(V, bool) or not isinstance(V, int) or not 1 <= V <= weight.shape[0]:
+        raise ValueError(f"vocab_size must be None or an int in [1, {weight.shape[0]}], got {vocab_size!r}")
     _check_scoring((B, O, R), hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
@@ -273,12 +278,12 @@ def acceptance_from_hidden(
     if scoring == "matmul" or (top_k is not None and top_k < V and not greedy):
         step = max(1, CHUNK_ELEMENTS // max(V, 1))
         res = torch.cat([
-            torch.ops.sigmafast.draft_logq(rows[i: i + step] @ weight.T, flat_drafts[i: i + step],
+            torch.ops.sigmafast.draft_logq((rows[i: i + step] @ weight.T)[:, :V], flat_drafts[i: i + step],
                                            float(temperature), None if greedy else top_k, None)
             for i in range(0, max(B * O * R, 1), step)
         ])[: B * O * R]
     else:
-        res = torch.ops.sigmafast.lm_head_logq(rows, weight, flat_drafts, float(temperature))
+        res = torch.ops.sigmafast.lm_head_logq(rows, weight[:V], flat_drafts, float(temperature))
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(hidden.dtype))
     return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
 
