@@ -175,7 +175,8 @@ def test_sampling(benchmark, impl, op, copy_gbps):
          rows=N, V=VOCAB, dtype=str(q.dtype), agreement_with_fp32_reference=agree, passes_over_logits=passes)
 
 
-@pytest.mark.parametrize("impl", ["fused", "matmul-chunks", "matmul+triton", "matmul+reference"])
+@pytest.mark.parametrize("impl", ["fused", "matmul-chunks", "matmul-chunks-padded", "matmul+triton",
+                                  "matmul+reference"])
 def test_acceptance_from_hidden(benchmark, impl, copy_gbps):
     """Scoring drafts from hidden states: the LM head fused into the acceptance log-sum-exp (no logits
     written), cuBLAS over row chunks feeding the log q kernel (the engine's default), and the whole
@@ -187,11 +188,14 @@ def test_acceptance_from_hidden(benchmark, impl, copy_gbps):
     hidden = torch.randn(B, O, R, C, device="cuda", generator=g).to(DTYPE)
     weight = (torch.randn(VOCAB, C, device="cuda", generator=g) * 0.05).to(DTYPE)
     drafts = torch.randint(0, VOCAB, (B, O, R), device="cuda", generator=g)
+    padded_weight = torch.cat([weight, weight.new_zeros(-VOCAB % 64, C)])  # 50304 rows: aligned logits
     rest = (torch.full((B, O, R), -10.0, device="cuda"), torch.rand(B, O, R, device="cuda", generator=g),
             torch.full((B,), R, device="cuda"))
     fn = {
         "fused": lambda: acceptance_from_hidden(hidden, weight, drafts, *rest, scoring="fused"),
         "matmul-chunks": lambda: acceptance_from_hidden(hidden, weight, drafts, *rest, scoring="matmul"),
+        "matmul-chunks-padded": lambda: acceptance_from_hidden(hidden, padded_weight, drafts, *rest,
+                                                               scoring="matmul", vocab_size=VOCAB),
         "matmul+triton": lambda: acceptance(hidden @ weight.T, drafts, *rest),
         "matmul+reference": lambda: ref.acceptance(hidden @ weight.T, drafts, *rest),
     }[impl]
