@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: the CUDA tests, then the engine and kernel benchmarks.
-# Usage (device tool): bash benchmarks/gpu_check.sh; everything it writes lands in $OUT.
+# One call on a lent GPU: the CUDA tests, the engine and kernel benchmarks, a step profile.
+# Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
+# limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
+# GPU_PARTS (the parts to run, in order).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -15,13 +17,19 @@ run() {  # name, limit in seconds, command...
     local t0=$SECONDS
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-    tail -n 25 "$OUT/$name.log"
+    tail -n "${GPU_TAIL:-12}" "$OUT/$name.log"
 }
-run tests "${GPU_TESTS_LIMIT:-90}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs
-run engine "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py --benchmark-only -q \
-    -p no:cacheprovider --benchmark-json="$OUT/engine.json" --benchmark-columns=median,rounds -k "${GPU_ENGINE_K:-first_call or engine or gpt2}"
-if [ "${GPU_KERNELS:-1}" = 1 ]; then
-    run kernels "${GPU_KERNELS_LIMIT:-60}" python -m pytest benchmarks/bench_kernels.py --benchmark-only -q \
-        -p no:cacheprovider --benchmark-json="$OUT/kernels.json" --benchmark-columns=median,rounds
-fi
+BENCH=(--benchmark-only -q -p no:cacheprovider --benchmark-columns=median,rounds)
+for part in ${GPU_PARTS:-tests engine kernels profile inductor}; do
+    case $part in
+    tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
+    engine) run engine "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
+        --benchmark-json="$OUT/engine.json" -k "${GPU_ENGINE_K:-not inductor}" ;;
+    kernels) run kernels "${GPU_KERNELS_LIMIT:-60}" python -m pytest benchmarks/bench_kernels.py "${BENCH[@]}" \
+        --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
+    profile) run profile "${GPU_PROFILE_LIMIT:-60}" python benchmarks/profile_steps.py --shape gpt2 --batch 1 ;;
+    inductor) run inductor "${GPU_INDUCTOR_LIMIT:-90}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
+        --benchmark-json="$OUT/inductor.json" -k "${GPU_INDUCTOR_K:-inductor and gpt2}" ;;
+    esac
+done
 cat "$OUT/summary.txt"
