@@ -7,6 +7,7 @@ An :class:`Engine` owns, per model:
   (powers of two from 16, capped at T), so a handful of shapes cover every call;
 - **reusable sessions**: one set of static buffers (canvas, mask, full-length
   KV cache, draw buffers) per (backend, batch bucket, T), reset by each call;
+  the ``max_sessions`` most recently used are kept, with their graphs;
 - **CUDA graphs** (on CUDA): a step whose key (shapes, sampling settings) was
   already run once eagerly, which compiled its Triton kernels, is captured
   the second time and replayed from then on. Replays need no host work but
@@ -73,6 +74,12 @@ class _Graphs:
         self.seen: set = set()
         self.pool = None
 
+    def drop(self, session_id: int) -> None:
+        """Forget the graphs of one session (keys carry the session's id second)."""
+        for key in [k for k in self.graphs if k[1] == session_id]:
+            del self.graphs[key]
+        self.seen = {k for k in self.seen if k[1] != session_id}
+
     def run(self, key, fn: Callable):
         entry = self.graphs.get(key)
         if entry is not None:
@@ -106,7 +113,7 @@ class Engine(EagerRunner):
     _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
-                 compile_steps: Optional[str] = None) -> None:
+                 compile_steps: Optional[str] = None, max_sessions: int = 8) -> None:
         if not is_sigma_gpt(model):
             raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
         on_cuda = next(model.parameters()).is_cuda
@@ -122,7 +129,10 @@ class Engine(EagerRunner):
         if compile_steps is not None:  # fuse the step's small ops (then captured as usual)
             self._burst_step = torch.compile(steps.burst_step, fullgraph=True, dynamic=False, backend=compile_steps)
             self._ar_step = torch.compile(steps.ar_step, fullgraph=True, dynamic=False, backend=compile_steps)
-        self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
+        self.max_sessions = max_sessions
+        self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing, LRU order
         self._static: dict = {}  # (id(session), kind) -> static input buffers
         self._graphs = _Graphs()
         self._params = self._fingerprint()
@@ -156,9 +166,14 @@ class Engine(EagerRunner):
         size = batch_bucket(B) if self.buckets else B
         backend = self.backend
         if self.cuda_graphs:
-            session = self._sessions.get((backend, size, T))
+            session = self._sessions.pop((backend, size, T), None)
             if session is None:
-                session = self._sessions[(backend, size, T)] = NeuralSession(self.model, size, T, backend)
+                session = NeuralSession(self.model, size, T, backend)
+            self._sessions[(backend, size, T)] = session  # most recently used last
+            if len(self._sessions) > self.max_sessions:  # bounded memory: caches, buffers and graphs
+                oldest = self._sessions.pop(next(iter(self._sessions)))
+                self._graphs.drop(id(oldest))
+                self._static = {k: v for k, v in self._static.items() if k[0] != id(oldest)}
         else:
             session = NeuralSession(self.model, size, T, backend)
         session.prefill(canvas, known)

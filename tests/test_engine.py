@@ -109,6 +109,8 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(object())
     with pytest.raises(TypeError, match="compile_steps must be None or a torch.compile backend name"):
         sigmafast.Engine(model, compile_steps=True)
+    with pytest.raises(ValueError, match="max_sessions must be an int >= 1"):
+        sigmafast.Engine(model, max_sessions=0)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         sigmafast.warmup(model, 0, T)
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
@@ -163,6 +165,12 @@ def test_cuda_graphs_replay_the_eager_tokens(strategy, acceptance, num_orders):
             assert torch.equal(got, want)
             assert torch.equal(s_got.accepted, s_want.accepted)
     assert graphs._graphs.graphs, "no step was captured"
+    small = sigmafast.Engine(model, max_sessions=1)  # a new canvas length evicts the old session and graphs
+    with kernels.use_backend("triton"):
+        for length in (20, 20, 30, 30):
+            sigmafast.generate(small, torch.zeros(2, 0, dtype=torch.long, device="cuda"), length, **kwargs)
+    assert len(small._sessions) == 1 and all(key[1] == id(next(iter(small._sessions.values())))
+                                             for key in small._graphs.graphs)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
