@@ -1,25 +1,44 @@
 """Triton inverse-CDF sampling from logits, and the speculative-sampling residual.
 
-Each program owns BLOCK_N rows (a function of BLOCK_V only, itself of V) and
-streams the vocabulary in (BLOCK_N, BLOCK_V) chunks:
+Split-V design (see vocab.py for why): the logits are read once (residual:
+twice) by thousands of (row block, chunk) programs, plus one chunk per row:
 
-* pass 1: online max and sum of exponentials (log-sum-exp) of the processed
-  logits (temperature, top-k threshold from ``torch.topk``);
-* residual only, pass 2: the mass of ``max(0, q - p)`` (and of q, for rows whose
-  residual is empty and fall back to q);
-* last pass: a running cumulative sum of the (unnormalised) probabilities that
-  stops loading once it passes ``u * total``; the token is the first index whose
-  cumulative sum exceeds it, clamped to the last index of nonzero probability.
+* ``_chunk_stats_kernel`` (vocab.py): per (row, chunk) the max and sum of
+  ``exp(x - max)`` of the processed logits (temperature, top-k threshold from
+  ``torch.topk``); residual: for q and for p;
+* residual only, ``_residual_mass_kernel`` (vocab.py): per (row, chunk) the
+  masses of ``max(0, q - p)`` and of q (the row log-sum-exps come from the
+  partials);
+* ``_sample_kernel`` / ``_residual_kernel`` (one program per row block): the
+  chunk masses (``s_c * exp(m_c - row max)``, or the residual masses, or q's
+  where the row's residual is empty) give the row total and, by a cumsum over
+  the NC chunk masses, the chunk where the CDF crosses ``u * total``; the
+  program then loads only that chunk of each row and finds the token there by a
+  cumsum started at the chunks' prefix sum (and the token's log-prob).
 
-Nothing is materialised but the (N,) outputs. The uniforms come from the
-caller; there is no RNG in the kernel. Against the reference the only possible
-differences are float-rounding ties: a uniform within a few ulps of a CDF
-boundary, or a logit that rounds onto the top-k threshold after the division
-by the temperature (the kernel compares raw logits with the raw k-th value).
+There is no scan over every chunk of the row. The sampling law is unchanged:
+the token is the first index whose cumulative sum of the (unnormalised)
+processed probabilities exceeds ``u * total``, clamped to the last index of
+nonzero probability. Clamp: the chunk is the first whose prefix sum exceeds the
+target, or else the last chunk of nonzero mass; inside it the token is the first
+crossing, or else the chunk's last nonzero index. A chunk mass is positive
+exactly when one of its probabilities is (the same exponentials), so this is the
+reference's global ``min(first crossing, last nonzero)``. The sums are
+associated differently from the reference's sequential cumsum (chunk sums,
+then a prefix over chunks): as before, tokens can differ from the reference
+only when ``u * total`` is within a few float ulps of a CDF boundary (a chunk
+boundary included: if the in-chunk sums fall short of the target by rounding,
+the chunk's last nonzero index is taken, the boundary's left side), or when a
+logit rounds onto the top-k threshold after the division by the temperature
+(the kernels compare raw logits with the raw k-th value). The residual's
+chunk and in-chunk masses use bit-identical q and p (same partials, same
+tiles), so the residual chosen chunk always holds a nonzero residual.
 
-``_sample_kernel`` and ``_residual_kernel`` share one body; each compiles at
-most twice per dtype and V (with and without top-k): the row count and strides
-are not specialised.
+Chunks are 16-byte aligned windows of each row (vocab.row_window), so every
+load is a 16-byte vector even for an odd V such as 50257.
+
+Every kernel compiles at most twice per dtype and V (with and without top-k):
+row counts and strides are not specialised, the tiles depend only on V.
 """
 
 from __future__ import annotations
@@ -30,105 +49,91 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import (
-    check_block_v, check_float, kth_largest, load_logits, online_lse, row_stride, rows_ready, vocab_config,
+from .utils import check_block_v, check_float, kth_largest, row_stride
+from .vocab import (
+    _residual_mass_kernel, aligned_rows, chunk_stats, residual_lse, residual_probs, row_masses, row_window, split_config,
+    window_load,
 )
 
 
 @triton.jit
 def _sample_rows(
-    QL, PL, U, KQ, KP, TOK, LOGP, s_q, s_p, N, V, temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, RESIDUAL: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr,
+    QL, PL, U, KQ, KP, MQ, SQ, MP, SP, RM, QM, TOK, LOGP, s_x, N, V, NC, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
+    RESIDUAL: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """The rows' tokens (and, unless RESIDUAL, their log-probs) by inverse CDF over the streamed logits.
-    Row strides come in units of STRIDE_UNIT elements (see utils)."""
-    s_q = s_q * STRIDE_UNIT
-    s_p = s_p * STRIDE_UNIT
+    """The rows' tokens (and, unless RESIDUAL, their log-probs): the crossing chunk from the (N, NC)
+    chunk masses, then the token inside that one chunk. q and p rows share the row stride s_x, in units
+    of STRIDE_UNIT (see utils); chunks are aligned windows (see vocab.row_window)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
-    p_q = QL + o_n64[:, None] * s_q  # (BLOCK_N, 1)
-    p_p = PL + o_n64[:, None] * s_p
     kq = tl.zeros([BLOCK_N, 1], tl.float32)
     kp = tl.zeros([BLOCK_N, 1], tl.float32)
     if HAS_TOPK:
         kq = tl.load(KQ + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
         if RESIDUAL:
             kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
-    o_b = tl.arange(0, BLOCK_V)
 
-    m_q = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s_qs = tl.zeros([BLOCK_N], tl.float32)
-    m_p = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s_ps = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        o_v = start + o_b[None, :]
-        m_v = m_n[:, None] & (o_v < V)
-        m_q, s_qs = online_lse(m_q, s_qs, load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK))
-        if RESIDUAL:
-            m_p, s_ps = online_lse(m_p, s_ps, load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK))
-
-    m_q = tl.where(m_n, m_q, 0.0)  # padding rows: keep them finite
-    s_qs = tl.where(m_n, s_qs, 1.0)
-    lse_q = m_q + tl.log(s_qs)
-    total = s_qs
+    o_c = tl.arange(0, NC_PAD)[None, :]  # (1, NC_PAD)
+    q_max, b_cw, q_tot = row_masses(MQ, SQ, o_n64, m_n, NC, NC_PAD)  # (BLOCK_N,), (BLOCK_N, NC_PAD), (BLOCK_N,)
+    lse_q = q_max + tl.log(q_tot)
+    lse_p = lse_q
+    empty = m_n
     if RESIDUAL:
-        lse_p = tl.where(m_n, m_p, 0.0) + tl.log(tl.where(m_n, s_ps, 1.0))
-        r_tot = tl.zeros([BLOCK_N], tl.float32)
-        q_tot = tl.zeros([BLOCK_N], tl.float32)
-        for start in range(0, V, BLOCK_V):
-            o_v = start + o_b[None, :]
-            m_v = m_n[:, None] & (o_v < V)
-            b_q = tl.exp(load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
-            b_p = tl.exp(load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
-            r_tot += tl.sum(tl.maximum(b_q - b_p, 0.0), 1)
-            q_tot += tl.sum(b_q, 1)
-        empty = r_tot <= 0.0
-        total = tl.where(empty, q_tot, r_tot)
-
+        lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
+        m_c = m_n[:, None] & (o_c < NC)
+        b_r = tl.load(RM + o_n64[:, None] * NC + o_c, mask=m_c, other=0.0)  # (BLOCK_N, NC_PAD)
+        empty = tl.sum(b_r, 1) <= 0.0
+        b_cw = tl.where(empty[:, None], tl.load(QM + o_n64[:, None] * NC + o_c, mask=m_c, other=0.0), b_r)
+    b_cc = tl.cumsum(b_cw, 1)  # (BLOCK_N, NC_PAD) inclusive prefix sums of the chunk masses
+    total = tl.max(b_cc, 1)  # nondecreasing: the last prefix sum
     target = tl.load(U + o_n64, mask=m_n, other=0.0).to(tl.float32) * total
-    carry = tl.zeros([BLOCK_N], tl.float32)
-    first = tl.zeros([BLOCK_N], tl.int32) + V
-    last_nz = tl.full([BLOCK_N], -1, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        o_v = start + o_b[None, :]
-        bound = tl.where(m_n & (first == V), V, 0)  # stop loading a row once its token is found
-        m_v = o_v < bound[:, None]
-        if RESIDUAL:
-            b_q = tl.exp(load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
-            b_p = tl.exp(load_logits(p_p, o_v, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
-            b_w = tl.where(empty[:, None], b_q, tl.maximum(b_q - b_p, 0.0))
-        else:
-            b_w = tl.exp(load_logits(p_q, o_v, m_v, kq, temperature, HAS_TOPK) - m_q[:, None])
-        b_c = carry[:, None] + tl.cumsum(b_w, 1)
-        first = tl.minimum(first, tl.min(tl.where((b_c > target[:, None]) & m_v, o_v, V), 1))
-        last_nz = tl.maximum(last_nz, tl.max(tl.where(b_w > 0.0, o_v, -1), 1))
-        carry = tl.max(b_c, 1)
-    token = tl.minimum(first, last_nz)
+    c_first = tl.min(tl.where(b_cc > target[:, None], o_c, NC_PAD), 1)
+    c_last = tl.max(tl.where(b_cw > 0.0, o_c, 0), 1)
+    c_tok = tl.minimum(c_first, c_last)  # (BLOCK_N,) the chunk of the token
+    carry = tl.max(tl.where(o_c < c_tok[:, None], b_cc, 0.0), 1)  # prefix sum before it
+
+    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each
+    o_b = c_tok[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (BLOCK_N, BLOCK_V) window offsets
+    o_v = o_b - shift[:, None]  # columns
+    m_w = m_n[:, None] & (o_b < end[:, None])
+    m_v = m_w & (o_v >= 0) & (o_v < V)
+    if RESIDUAL:
+        b_q, b_p = residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK)
+        b_w = tl.where(empty[:, None], b_q, tl.maximum(b_q - b_p, 0.0))
+        b_x = b_q
+    else:
+        b_x = window_load(QL + o_base[:, None], o_b, m_w, m_v, kq, temperature, HAS_TOPK)
+        b_w = tl.exp(b_x - q_max[:, None])
+    b_c = carry[:, None] + tl.cumsum(b_w, 1)
+    first = tl.min(tl.where((b_c > target[:, None]) & m_v, o_v, V), 1)
+    last_nz = tl.max(tl.where((b_w > 0.0) & m_v, o_v, -1), 1)
+    token = tl.maximum(tl.minimum(first, last_nz), 0)  # max: rows without any mass (NaN) only
     tl.store(TOK + o_n64, token.to(tl.int64), mask=m_n)
     if not RESIDUAL:
-        m_tok = m_n & (token >= 0)
-        x_tok = load_logits(QL + o_n64 * s_q, token, m_tok, kq.reshape([BLOCK_N]), temperature, HAS_TOPK)
+        x_tok = tl.max(tl.where(o_v == token[:, None], b_x, float("-inf")), 1)
         tl.store(LOGP + o_n64, (x_tok - lse_q).to(LOGP.dtype.element_ty), mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_q", "N"], do_not_specialize_on_alignment=["U", "KQ"])
+@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ"])
 def _sample_kernel(
-    QL, U, KQ, TOK, LOGP, s_q, N, V, temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    QL, U, KQ, MQ, SQ, TOK, LOGP, s_x, N, V, NC, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    _sample_rows(QL, QL, U, KQ, KQ, TOK, LOGP, s_q, s_q, N, V, temperature, BLOCK_N, BLOCK_V, HAS_TOPK, False,
-                 STRIDE_UNIT)
+    _sample_rows(QL, QL, U, KQ, KQ, MQ, SQ, MQ, SQ, MQ, MQ, TOK, LOGP, s_x, N, V, NC, temperature,
+                 BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, False, STRIDE_UNIT, ALIGN)
 
 
-@triton.jit(do_not_specialize=["s_q", "s_p", "N"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
+@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
 def _residual_kernel(
-    QL, PL, U, KQ, KP, TOK, s_q, s_p, N, V, temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    QL, PL, U, KQ, KP, MQ, SQ, MP, SP, RM, QM, TOK, s_x, N, V, NC, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    _sample_rows(QL, PL, U, KQ, KP, TOK, TOK, s_q, s_p, N, V, temperature, BLOCK_N, BLOCK_V, HAS_TOPK, True,
-                 STRIDE_UNIT)
+    _sample_rows(QL, PL, U, KQ, KP, MQ, SQ, MP, SP, RM, QM, TOK, TOK, s_x, N, V, NC, temperature,
+                 BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, True, STRIDE_UNIT, ALIGN)
 
 
 def _check_args(logits, uniforms, temperature, top_k, block_v, name="logits") -> None:
@@ -150,15 +155,18 @@ def _check_args(logits, uniforms, temperature, top_k, block_v, name="logits") ->
 
 
 def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
-    """Launch the sample (``p_logits`` None) or residual kernel, no checks: (N,) tokens and (N,) log-probs
+    """Launch the sample (``p_logits`` None) or residual kernels, no checks: (N,) tokens and (N,) log-probs
     (residual: None). Temperature 0 is the first argmax of q (log-prob 0), without a kernel."""
     N, V = q_logits.shape
     residual = p_logits is not None
     if temperature == 0:
         return q_logits.argmax(-1), None if residual else q_logits.new_zeros(N)
-    block_v, block_n, num_warps, unit = vocab_config(V, block_v)
-    q_logits = rows_ready(q_logits, unit)
-    p_logits = rows_ready(p_logits, unit) if residual else None
+    cfg = split_config(V, q_logits.dtype, block_v)
+    q_logits = aligned_rows(q_logits, cfg.unit)
+    if residual:  # q and p rows share one stride (and so one chunk geometry)
+        p_logits = aligned_rows(p_logits, cfg.unit)
+        if row_stride(p_logits) != row_stride(q_logits):
+            q_logits, p_logits = q_logits.contiguous(), p_logits.contiguous()
     kq = kth_largest(q_logits, top_k)
     kp = kth_largest(p_logits, top_k) if residual else None
     tokens = torch.empty(N, dtype=torch.int64, device=q_logits.device)
@@ -166,17 +174,26 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
     if N == 0:
         return tokens, logp
     u = uniforms.float().contiguous()
-    grid = (triton.cdiv(N, block_n),)
-    meta = dict(BLOCK_N=block_n, BLOCK_V=block_v, HAS_TOPK=kq is not None, STRIDE_UNIT=unit, num_warps=num_warps)
+    s_x = row_stride(q_logits) // cfg.unit
+    mq, sq, _ = chunk_stats(q_logits, kq, temperature, cfg, s_x)  # (N, NC) each
+    grid = (triton.cdiv(N, cfg.block_n),)
+    meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
+                STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps)
     if residual:
+        mp, sp, _ = chunk_stats(p_logits, kp, temperature, cfg, s_x)
+        rm, qm = torch.empty_like(mq), torch.empty_like(mq)
+        kq_, kp_ = (kq, kp) if kq is not None else (u, u)
+        _residual_mass_kernel[(grid[0], cfg.nc)](
+            q_logits, p_logits, kq_, kp_, mq, sq, mp, sp, rm, qm, s_x, N, V, cfg.nc, float(temperature), **meta,
+        )
         _residual_kernel[grid](
-            q_logits, p_logits, u, kq if kq is not None else u, kp if kp is not None else u, tokens,
-            row_stride(q_logits) // unit, row_stride(p_logits) // unit, N, V, float(temperature), **meta,
+            q_logits, p_logits, u, kq_, kp_, mq, sq, mp, sp, rm, qm, tokens, s_x, N, V, cfg.nc,
+            float(temperature), **meta,
         )
     else:
         _sample_kernel[grid](
-            q_logits, u, kq if kq is not None else u, tokens, logp, row_stride(q_logits) // unit, N, V,
-            float(temperature), **meta,
+            q_logits, u, kq if kq is not None else u, mq, sq, tokens, logp, s_x, N, V, cfg.nc, float(temperature),
+            **meta,
         )
     return tokens, logp
 

@@ -1,0 +1,207 @@
+"""Split-V pieces shared by the vocabulary-wide kernels (sampling, residual sampling, draft log q).
+
+Why split-V. A row of GPT-2 logits is 50257 values (100 KB in bf16). One program
+per row (the previous design) gives N programs that each walk a long serial
+loop: with few rows the GPU is mostly idle, and even with 1024 rows each SM has
+few loads in flight. Here the vocabulary is cut into chunks of ``BLOCK_V``
+columns and a (row blocks, chunks) grid streams every (BLOCK_N, BLOCK_V) tile
+exactly once, with no loop: thousands of independent programs, each issuing
+one wide, fully coalesced load (8192 elements, 16-byte vectors), which is what
+a memory-bound kernel needs to run at copy bandwidth. Each program writes a
+few fp32/int32 per (row, chunk) (``NC = cdiv(V, BLOCK_V)`` chunks per row,
+25 for GPT-2): a few hundred bytes per row against the 100 KB read.
+
+* :func:`chunk_stats` (``_chunk_stats_kernel``): per (row, chunk) the max of the
+  processed logits (temperature, top-k threshold), the sum of ``exp(x - max)``
+  and the first index of the max. ``row_masses`` combines them into the row
+  max, the row total ``sum exp(x - row max)`` and each chunk's share of it
+  (``s_c * exp(m_c - row max)``), exactly like an online log-sum-exp.
+* ``_residual_mass_kernel``: the second split-V pass of the residual sampler,
+  per (row, chunk) the masses of ``max(0, q - p)`` and of q (normalised by the
+  row log-sum-exps, recombined in every program from the (N, NC) partials).
+
+Tiles are functions of V (and of an explicit ``block_v``) only, never of the
+row count; sizes, counts and strides are not specialised (see utils).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import rows_ready
+
+CHUNK = 2048  # default BLOCK_V: 4 KB (bf16) to 8 KB (fp32) per row per program
+TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) tile of partials
+MAX_ROWS = 256
+
+
+class SplitConfig(tuple):
+    """(BLOCK_V, BLOCK_N, NC, NC_PAD, num_warps, STRIDE_UNIT, ALIGN) of the split-V kernels."""
+
+    __slots__ = ()
+    block_v = property(lambda s: s[0])
+    block_n = property(lambda s: s[1])
+    nc = property(lambda s: s[2])
+    nc_pad = property(lambda s: s[3])
+    num_warps = property(lambda s: s[4])
+    unit = property(lambda s: s[5])
+    align = property(lambda s: s[6])
+
+
+def split_config(V: int, dtype: torch.dtype, block_v: Optional[int] = None) -> SplitConfig:
+    """The tiling of a vocabulary of V ``dtype`` logits (``block_v``, a power of two, overrides the
+    chunk): a function of V, the dtype and ``block_v`` only, never of the row count. The chunks are
+    aligned windows (see ``row_window``), so a row spans up to ALIGN - 1 more columns."""
+    align = 16 // torch.empty((), dtype=dtype).element_size()  # elements per 16 bytes
+    block_v = block_v or min(triton.next_power_of_2(V), CHUNK)
+    nc = triton.cdiv(V + align - 1, block_v)
+    nc_pad = max(2, triton.next_power_of_2(nc))
+    block_n = max(1, min(TILE // block_v, TILE // nc_pad, MAX_ROWS))
+    num_warps = 4 if block_n * block_v <= 2048 else 8
+    return SplitConfig((block_v, block_n, nc, nc_pad, num_warps, 16 if V % 16 == 0 else 1, align))
+
+
+@triton.jit
+def row_window(o_n64, s_x, V, ALIGN: tl.constexpr):
+    """Aligned windows: (BLOCK_N,) element offset of each row's window, a multiple of ALIGN (16 bytes),
+    (BLOCK_N,) int32 shift of the row start into it, and (BLOCK_N,) window end, ``shift + V`` rounded up
+    to ALIGN. Column ``j`` of a row is at window offset ``j + shift``; chunk c is window offsets
+    [c * BLOCK_V, (c + 1) * BLOCK_V). The launchers pass 16-byte aligned base pointers, so every chunk
+    load is a run of aligned 16-byte vectors, even for an odd row stride (V = 50257): the load mask
+    (``window_load``) is uniform over each vector, and the few extra values it reads, in the same
+    16-byte blocks as the row's first and last elements (so inside the allocation), are masked after."""
+    o_row = o_n64 * s_x
+    shift = (o_row % ALIGN).to(tl.int32)
+    end = tl.multiple_of((shift + V + (ALIGN - 1)) // ALIGN * ALIGN, ALIGN)
+    return tl.multiple_of(o_row - shift, ALIGN), shift, end
+
+
+@triton.jit
+def window_load(ptr, o_b, m_w, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
+    """``load_logits`` at window offsets o_b: vector-granular load mask m_w, column mask m_v after."""
+    b_x = tl.load(ptr + o_b, mask=m_w, other=float("-inf")).to(tl.float32)
+    b_x = tl.where(m_v, b_x, float("-inf"))
+    if HAS_TOPK:
+        b_x = tl.where(b_x < kth, float("-inf"), b_x)
+    return tl.math.div_rn(b_x, temperature)  # IEEE division, as torch's logits / temperature
+
+
+def aligned_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """``utils.rows_ready`` rows whose data pointer is also 16-byte aligned (a copy for the rare offset view
+    that is not), as the aligned windows need."""
+    t = rows_ready(t, unit)
+    if t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["KTH"])
+def _chunk_stats_kernel(
+    X, KTH, M, S, A, s_x, N, V, NC, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """(N, NC) chunk max M, sum of exp(x - M) S and first argmax A (V if none) of the processed logits."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    c = tl.program_id(1)
+    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each; STRIDE_UNIT: utils
+    o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
+    o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
+    m_w = m_n[:, None] & (o_b < end[:, None])
+    m_v = m_w & (o_v >= 0) & (o_v < V)
+    kth = tl.zeros([BLOCK_N, 1], tl.float32)
+    if HAS_TOPK:
+        kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    b_x = window_load(X + o_base[:, None], o_b, m_w, m_v, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
+    b_m = tl.max(b_x, 1)  # (BLOCK_N,)
+    m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_s = tl.sum(tl.exp(b_x - m_use[:, None]), 1)
+    b_a = tl.min(tl.where((b_x == b_m[:, None]) & m_v, o_v, V), 1)  # first column of the chunk max
+    o_p = o_n64 * NC + c
+    tl.store(M + o_p, b_m, mask=m_n)
+    tl.store(S + o_p, b_s, mask=m_n)
+    tl.store(A + o_p, b_a, mask=m_n)
+
+
+@triton.jit
+def row_masses(M, S, o_n64, m_n, NC, NC_PAD: tl.constexpr):
+    """Combine a row block's (BLOCK_N, NC) chunk partials: (BLOCK_N,) row max (0 where the row has no
+    finite logit, or is padding), (BLOCK_N, NC_PAD) chunk masses sum_chunk exp(x - row max) (0 past NC)
+    and (BLOCK_N,) row total (1 for padding rows)."""
+    o_c = tl.arange(0, NC_PAD)[None, :]
+    m_c = m_n[:, None] & (o_c < NC)
+    o_p = o_n64[:, None] * NC + o_c  # (BLOCK_N, NC_PAD)
+    b_m = tl.load(M + o_p, mask=m_c, other=float("-inf"))
+    b_s = tl.load(S + o_p, mask=m_c, other=0.0)
+    r_m = tl.max(b_m, 1)
+    r_m = tl.where(r_m == float("-inf"), 0.0, r_m)
+    b_w = b_s * tl.exp(b_m - r_m[:, None])  # (BLOCK_N, NC_PAD)
+    r_t = tl.where(m_n, tl.sum(b_w, 1), 1.0)
+    return r_m, b_w, r_t
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["KQ", "KP"])
+def _residual_mass_kernel(
+    QL, PL, KQ, KP, MQ, SQ, MP, SP, RM, QM, s_x, N, V, NC, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """(N, NC) chunk masses of max(0, q - p) (RM) and of q (QM), q and p the processed softmaxes
+    (q and p rows share the row stride s_x)."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    c = tl.program_id(1)
+    lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
+    kq = tl.zeros([BLOCK_N, 1], tl.float32)
+    kp = tl.zeros([BLOCK_N, 1], tl.float32)
+    if HAS_TOPK:
+        kq = tl.load(KQ + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+        kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
+    o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
+    o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
+    m_w = m_n[:, None] & (o_b < end[:, None])
+    m_v = m_w & (o_v >= 0) & (o_v < V)
+    b_q, b_p = residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK)
+    o_p = o_n64 * NC + c
+    tl.store(RM + o_p, tl.sum(tl.maximum(b_q - b_p, 0.0), 1), mask=m_n)
+    tl.store(QM + o_p, tl.sum(b_q, 1), mask=m_n)
+
+
+@triton.jit
+def residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD: tl.constexpr):
+    """(BLOCK_N,) log-sum-exps of the processed q and p rows from their chunk partials. The mass and
+    the sampling kernels both call this on the same tiles, so they see bit-identical q and p."""
+    q_m, _, q_t = row_masses(MQ, SQ, o_n64, m_n, NC, NC_PAD)
+    p_m, _, p_t = row_masses(MP, SP, o_n64, m_n, NC, NC_PAD)
+    return q_m + tl.log(q_t), p_m + tl.log(p_t)
+
+
+@triton.jit
+def residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) processed probabilities q and p at window offsets o_b (0 where masked)."""
+    b_q = tl.exp(window_load(QL + o_base[:, None], o_b, m_w, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
+    b_p = tl.exp(window_load(PL + o_base[:, None], o_b, m_w, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
+    return b_q, b_p
+
+
+def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int):
+    """Launch ``_chunk_stats_kernel`` on (N, V) rows (N > 0): (N, NC) float32 chunk max, float32 sum of
+    exp and int32 first argmax (V for an empty chunk)."""
+    N, V = logits.shape
+    m = torch.empty(N, cfg.nc, dtype=torch.float32, device=logits.device)
+    s = torch.empty_like(m)
+    a = torch.empty(N, cfg.nc, dtype=torch.int32, device=logits.device)
+    _chunk_stats_kernel[(triton.cdiv(N, cfg.block_n), cfg.nc)](
+        logits, kth if kth is not None else m, m, s, a, stride_units, N, V, cfg.nc, float(temperature),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
+        ALIGN=cfg.align, num_warps=cfg.num_warps,
+    )
+    return m, s, a
