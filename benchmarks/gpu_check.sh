@@ -2,7 +2,9 @@
 # One call on a lent GPU: the CUDA tests, the engine and kernel benchmarks, a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
-# GPU_PARTS (the parts to run, in order).
+# GPU_PARTS (the parts to run, in order). pytest-benchmark writes its JSON only when a session ends, so a
+# part's limit must cover its whole selection; -k also matches the module name, so select by test
+# function (test_engine, test_hf, test_anchor, test_first_call) and parameter ids, never "engine".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -29,7 +31,7 @@ for part in ${GPU_PARTS:-tests engine kernels profile inductor}; do
         --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
     profile) run profile "${GPU_PROFILE_LIMIT:-60}" python benchmarks/profile_steps.py --shape gpt2 --batch 1 ;;
     inductor) run inductor "${GPU_INDUCTOR_LIMIT:-90}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
-        --benchmark-json="$OUT/inductor.json" -k "${GPU_INDUCTOR_K:-inductor and gpt2}" ;;
+        --benchmark-json="$OUT/inductor.json" -k "${GPU_INDUCTOR_K:-test_engine and inductor and gpt2}" ;;
     esac
 done
 cat "$OUT/summary.txt"
