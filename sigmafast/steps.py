@@ -168,7 +168,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
 
 def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:
     """Sample the next position of every row in its visiting order, in place; advances ``plan.step``."""
-    canvas, known = session.canvas, session.known
+    canvas = session.canvas
     B, T = canvas.shape
     active = plan.steps > plan.step  # (B,)
     j = plan.visit.gather(1, (plan.n_known + plan.step).clamp(max=T - 1)[:, None])  # (B, 1)

@@ -157,3 +157,23 @@ def on_triton_device(fn):
 
     call.__wrapped__ = fn
     return call
+
+
+def assert_same_tokens(tokens, want, probs, uniforms):
+    """Tokens equal the reference's except at a float-rounding tie of the inverse CDF."""
+    differ = (tokens != want).nonzero().flatten()
+    cdf = probs.double().cumsum(-1)
+    for i in differ.tolist():
+        target = uniforms[i].double() * cdf[i, -1]
+        edge = cdf[i, min(tokens[i], want[i])]
+        assert abs(edge - target) <= 1e-5, f"row {i}: token {tokens[i]} != reference {want[i]} (not a rounding tie)"
+    assert differ.numel() <= max(1, tokens.numel() // 100)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    stat = ((counts[keep].double() - expected[keep]) ** 2 / expected[keep]).sum()
+    df = keep.sum() - 1
+    return torch.special.gammaincc(df.double() / 2, stat / 2).item()

@@ -1,0 +1,196 @@
+"""Split-V vocabulary kernels at their edges: ragged chunks, one-row and odd batches, all the mass in one
+chunk, ties, low precision and odd strides, against kernels/reference.py (see test_kernels_sampling.py for
+the tie rule)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_same_tokens as _assert_same_tokens
+from helpers import chi2_pvalue as _chi2_pvalue
+from helpers import on_triton_device
+from sigmafast.kernels import accept, sampling
+from sigmafast.kernels import reference as ref
+
+residual_sample = on_triton_device(sampling.residual_sample)
+sample = on_triton_device(sampling.sample)
+
+draft_logq = on_triton_device(accept.draft_logq)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every ``torch.empty``/``empty_like`` of the launchers (outputs and split-V partials) comes filled
+    with NaN (floats) or a huge value (ints), so that an element the kernels forget to write shows up."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -(2**30) if t.dtype != torch.bool else True)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_like(*a, **k)))
+
+
+def _edge_logits(kind, N, V, g):
+    x = torch.randn(N, V, generator=g) * 3
+    if kind == "last-chunk":  # all the mass in the last (ragged) chunk: the others are -inf
+        x[:, : V - max(1, V % 64 or 64)] = float("-inf")
+    elif kind == "middle-chunk":  # nonzero only in the middle: later chunks -inf, earlier ones underflow
+        x[:, : V // 3] = -300.0
+        x[:, 2 * V // 3:] = float("-inf")
+    elif kind == "ties":  # heavy ties, top-k thresholds included
+        x = (x * 0.5).round()
+    elif kind == "peaked":
+        x[:, V // 2] += 40.0
+    return x
+
+
+EDGE_CASES = [
+    # (kind, N, V, temperature, top_k, block_v)
+    ("randn", 1, 5, 1.0, None, None),  # one row, V smaller than a chunk
+    ("randn", 7, 1, 1.0, None, None),  # V = 1
+    ("randn", 7, 1, 0.5, 1, None),
+    ("randn", 1, 300, 0.3, None, 64),  # V not a multiple of the chunk
+    ("randn", 33, 300, 2.5, 7, 64),
+    ("randn", 3, 5000, 1.0, None, None),  # default chunk, ragged last chunk
+    ("randn", 5, 5000, 0.9, 50, None),
+    ("last-chunk", 9, 300, 1.0, None, 64),
+    ("last-chunk", 9, 257, 0.7, 3, 64),
+    ("middle-chunk", 11, 300, 1.0, None, 32),
+    ("ties", 17, 200, 1.0, 10, 32),
+    ("ties", 17, 200, 0.6, 1, 16),
+    ("peaked", 5, 333, 1.0, None, 8),
+]
+
+
+def _eid(c):
+    kind, N, V, T, k, bv = c
+    return f"{kind}-N{N}-V{V}-T{T}-k{k}" + (f"-chunk{bv}" if bv else "")
+
+
+def _edge_uniforms(N, g):
+    u = torch.rand(N, generator=g)
+    u[0] = 1.0 - 2**-24  # the last-nonzero clamp
+    if N > 1:
+        u[1] = 0.0
+    return u
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=_eid)
+def test_sample_edge_cases(case, poisoned_empty):
+    kind, N, V, T, k, bv = case
+    g = torch.Generator().manual_seed(N * 1000 + V)
+    x = _edge_logits(kind, N, V, g)
+    u = _edge_uniforms(N, g)
+    tokens, logp = sample(x, u, T, k, block_v=bv)
+    want, _ = ref.sample(x, u, T, k)
+    probs = ref.log_probs(x, T, k).exp()
+    _assert_same_tokens(tokens, want, probs, u)
+    assert torch.all(probs.gather(-1, tokens[:, None]) > 0), "sampled a token of probability 0"
+    full = ref.log_probs(x, T, k).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, full, rtol=0, atol=1e-5)
+    greedy, logp0 = sample(x, u, 0.0, k, block_v=bv)
+    assert torch.equal(greedy, x.argmax(-1)) and torch.all(logp0 == 0)
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=_eid)
+def test_residual_edge_cases(case, poisoned_empty):
+    kind, N, V, T, k, bv = case
+    g = torch.Generator().manual_seed(N * 1000 + V + 1)
+    q = _edge_logits(kind, N, V, g)
+    p = q + torch.randn(N, V, generator=g)
+    p[::3] = q[::3]  # empty residual rows (row 0 among them): fall back to q
+    u = _edge_uniforms(N, g)
+    tokens = residual_sample(q, p, u, T, k, block_v=bv)
+    want = ref.residual_sample(q, p, u, T, k)
+    qp, pp = ref.log_probs(q, T, k).exp(), ref.log_probs(p, T, k).exp()
+    r = (qp - pp).clamp_min(0)
+    probs = torch.where(r.sum(-1, keepdim=True) <= 0, qp, r)
+    _assert_same_tokens(tokens, want, probs, u)
+    assert torch.all(probs.gather(-1, tokens[:, None]) > 0), "sampled a token of probability 0"
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=_eid)
+def test_draft_logq_edge_cases(case, poisoned_empty):
+    kind, N, V, T, k, bv = case
+    g = torch.Generator().manual_seed(N * 1000 + V + 2)
+    x = _edge_logits(kind, N, V, g)
+    drafts = torch.randint(0, V, (N,), generator=g)
+    drafts[0] = V - 1
+    got = draft_logq(x, drafts, T, k, bv)
+    want = ref.log_probs(x, T, k).gather(-1, drafts[:, None]).squeeze(-1)
+    assert got.dtype == torch.float32 and torch.equal(got.isfinite(), want.isfinite())
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-5)
+    assert torch.all(got[~finite] == float("-inf"))
+    assert torch.equal(draft_logq(x, drafts, 0.0, None, bv), x.argmax(-1))
+
+
+def test_greedy_argmax_ties_across_chunks():
+    """The first index of the max, also when it is repeated in later chunks (and in the same chunk)."""
+    x = torch.randn(6, 100)
+    x[0, [70, 10, 99]] = 50.0  # chunk 1 of 8-wide chunks holds the first
+    x[1, [99, 98]] = 50.0  # the ragged last chunk
+    x[2] = 0.0  # all equal: index 0
+    x[3, 5:] = float("-inf")
+    x[4, [33, 34]] = 50.0
+    for bv in (8, 32, None):
+        assert torch.equal(draft_logq(x, torch.zeros(6, dtype=torch.long), 0.0, None, bv), x.argmax(-1))
+    assert draft_logq(x, torch.zeros(6, dtype=torch.long), 0.0, None, 8)[:3].tolist() == [10, 98, 0]
+
+
+def test_multi_chunk_chi_square():
+    """Draws across 8-wide chunks (the crossing chunk, then the token inside it) against the exact law."""
+    g = torch.Generator().manual_seed(8)
+    q, p = torch.randn(2, 37, generator=g)
+    N = 20000
+    tokens, _ = sample(q.expand(N, 37), torch.rand(N, generator=g), 1.2, 20, block_v=8)
+    assert _chi2_pvalue(torch.bincount(tokens, minlength=37), ref.log_probs(q, 1.2, 20).exp()) > 1e-3
+    tokens = residual_sample(q.expand(N, 37), p.expand(N, 37), torch.rand(N, generator=g), block_v=8)
+    r = (q.softmax(-1) - p.softmax(-1)).clamp_min(0)
+    assert _chi2_pvalue(torch.bincount(tokens, minlength=37), r / r.sum()) > 1e-3
+
+
+def test_uniform_grid_matches_reference_token_for_token():
+    """Uniforms on a fine grid over one multi-chunk row: every token equals the reference's, or sits at a
+    rounding tie of the CDF; the chunk boundaries are crossed many times."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 200, generator=g)
+    N = 4096
+    u = (torch.arange(N) + 0.5) / N
+    tokens, _ = sample(x.expand(N, 200), u, 1.0, None, block_v=16)
+    want, _ = ref.sample(x.expand(N, 200), u, 1.0, None)
+    _assert_same_tokens(tokens, want, ref.log_probs(x.expand(N, 200), 1.0, None).exp(), u)
+    assert len(set(tokens.tolist())) > 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_low_precision_odd_strides(dtype, poisoned_empty):
+    """Rows at odd strides and offsets (a 16-byte window per row start: shifts 0..7) in every dtype: the
+    kernels read the rounded logits and work in fp32, so they match the fp32 reference on the upcast values."""
+    g = torch.Generator().manual_seed(10)
+    base = (torch.randn(23, 301, generator=g) * 3).to(dtype)
+    for x in (base, base[:, 1:], base[1::2, 3:290]):  # contiguous odd V, offset views, strided rows
+        N, V = x.shape
+        xf = x.float()
+        u = torch.rand(N, generator=g)
+        for T, k, bv in ((1.0, None, 32), (0.8, 5, None), (1.3, None, 16)):
+            tokens, logp = sample(x, u, T, k, block_v=bv)
+            assert logp.dtype == dtype
+            _assert_same_tokens(tokens, ref.sample(xf, u, T, k)[0], ref.log_probs(xf, T, k).exp(), u)
+            full = ref.log_probs(xf, T, k).gather(-1, tokens[:, None]).squeeze(-1)
+            torch.testing.assert_close(logp.float(), full, rtol=1e-2, atol=1e-2)
+            drafts = torch.randint(0, V, (N,), generator=g)
+            want = ref.log_probs(xf, T, k).gather(-1, drafts[:, None]).squeeze(-1)
+            got = draft_logq(x, drafts, T, k, bv)
+            assert torch.equal(got.isfinite(), want.isfinite())
+            torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], rtol=0, atol=1e-5)
+            p = x.flip(0).contiguous()  # a different row stride from x's: both copied to one layout
+            p[::4] = x[::4]
+            tok_r = residual_sample(x, p, u, T, k, block_v=bv)
+            qp, pp = ref.log_probs(xf, T, k).exp(), ref.log_probs(p.float(), T, k).exp()
+            r = (qp - pp).clamp_min(0)
+            _assert_same_tokens(tok_r, ref.residual_sample(xf, p.float(), u, T, k),
+                                torch.where(r.sum(-1, keepdim=True) <= 0, qp, r), u)
+        assert torch.equal(draft_logq(x, drafts, 0.0, None, 16), xf.argmax(-1))
