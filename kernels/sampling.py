@@ -175,12 +175,12 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
         return tokens, logp
     u = uniforms.float().contiguous()
     s_x = row_stride(q_logits) // cfg.unit
-    mq, sq, _ = chunk_stats(q_logits, kq, temperature, cfg, s_x)  # (N, NC) each
+    mq, sq = chunk_stats(q_logits, kq, temperature, cfg, s_x)  # (N, NC) each
     grid = (triton.cdiv(N, cfg.block_n),)
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
                 STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps)
     if residual:
-        mp, sp, _ = chunk_stats(p_logits, kp, temperature, cfg, s_x)
+        mp, sp = chunk_stats(p_logits, kp, temperature, cfg, s_x)
         rm, qm = torch.empty_like(mq), torch.empty_like(mq)
         kq_, kp_ = (kq, kp) if kq is not None else (u, u)
         _residual_mass_kernel[(grid[0], cfg.nc)](

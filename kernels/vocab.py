@@ -1,4 +1,4 @@
-"""Split-V pieces shared by the vocabulary-wide kernels (sampling, residual sampling, draft log q).
+"""Split-V pieces shared by the vocabulary sampling kernels (sampling and residual sampling).
 
 Why split-V. A row of GPT-2 logits is 50257 values (100 KB in bf16). One program
 per row (the previous design) gives N programs that each walk a long serial
@@ -12,8 +12,7 @@ few fp32/int32 per (row, chunk) (``NC = cdiv(V, BLOCK_V)`` chunks per row,
 25 for GPT-2): a few hundred bytes per row against the 100 KB read.
 
 * :func:`chunk_stats` (``_chunk_stats_kernel``): per (row, chunk) the max of the
-  processed logits (temperature, top-k threshold), the sum of ``exp(x - max)``
-  and the first index of the max. ``row_masses`` combines them into the row
+  processed logits (temperature, top-k threshold) and the sum of ``exp(x - max)``. ``row_masses`` combines them into the row
   max, the row total ``sum exp(x - row max)`` and each chunk's share of it
   (``s_c * exp(m_c - row max)``), exactly like an online log-sum-exp.
 * ``_residual_mass_kernel``: the second split-V pass of the residual sampler,
@@ -101,11 +100,11 @@ def aligned_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["KTH"])
 def _chunk_stats_kernel(
-    X, KTH, M, S, A, s_x, N, V, NC, temperature,
+    X, KTH, M, S, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """(N, NC) chunk max M, sum of exp(x - M) S and first argmax A (V if none) of the processed logits."""
+    """(N, NC) chunk max M and sum of exp(x - M) S of the processed logits."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -122,11 +121,9 @@ def _chunk_stats_kernel(
     b_m = tl.max(b_x, 1)  # (BLOCK_N,)
     m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
     b_s = tl.sum(tl.exp(b_x - m_use[:, None]), 1)
-    b_a = tl.min(tl.where((b_x == b_m[:, None]) & m_v, o_v, V), 1)  # first column of the chunk max
     o_p = o_n64 * NC + c
     tl.store(M + o_p, b_m, mask=m_n)
     tl.store(S + o_p, b_s, mask=m_n)
-    tl.store(A + o_p, b_a, mask=m_n)
 
 
 @triton.jit
@@ -193,15 +190,13 @@ def residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperat
 
 
 def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int):
-    """Launch ``_chunk_stats_kernel`` on (N, V) rows (N > 0): (N, NC) float32 chunk max, float32 sum of
-    exp and int32 first argmax (V for an empty chunk)."""
+    """Launch ``_chunk_stats_kernel`` on (N, V) rows (N > 0): (N, NC) float32 chunk max and sum of exp."""
     N, V = logits.shape
     m = torch.empty(N, cfg.nc, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
-    a = torch.empty(N, cfg.nc, dtype=torch.int32, device=logits.device)
     _chunk_stats_kernel[(triton.cdiv(N, cfg.block_n), cfg.nc)](
-        logits, kth if kth is not None else m, m, s, a, stride_units, N, V, cfg.nc, float(temperature),
+        logits, kth if kth is not None else m, m, s, stride_units, N, V, cfg.nc, float(temperature),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
         ALIGN=cfg.align, num_warps=cfg.num_warps,
     )
-    return m, s, a
+    return m, s

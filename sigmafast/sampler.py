@@ -116,12 +116,14 @@ def generate(
     runner = runner_for(model)
     canvas, known_now = req.canvas.clone(), req.known.clone()
     autoregressive = req.strategy == "autoregressive"
+    n_known = known_now.sum(1)
+    fewest, most = torch.stack([n_known.min(), n_known.max()]).tolist()  # one host read for both tests
     with torch.no_grad(), eval_mode(target):
-        if bool(known_now.all()):  # nothing to sample: no model call
+        if fewest == canvas.shape[1]:  # nothing to sample: no model call
             accepted, lengths, calls, prefill_calls = [], None if autoregressive else [], 0, 0
         else:
             session = runner.start(canvas, known_now)
-            prefill_calls = int(bool(known_now.any()))
+            prefill_calls = int(most > 0)
             run = _autoregressive if autoregressive else _burst
             accepted, lengths, calls = run(runner, session, req, canvas, known_now, on_iteration)
     if canvas.is_cuda:

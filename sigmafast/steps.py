@@ -173,8 +173,8 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     active = plan.steps > plan.step  # (B,)
     j = plan.visit.gather(1, (plan.n_known + plan.step).clamp(max=T - 1)[:, None])  # (B, 1)
     verified = session.verify(j[:, None], canvas.gather(1, j)[:, None])  # feeds the last token only
-    rows = torch.zeros(B, dtype=torch.long, device=canvas.device)
-    logits = verifier_logits(session, verified, torch.arange(B, device=canvas.device), rows, rows)  # (B, V)
+    first = torch.zeros(B, dtype=torch.long, device=canvas.device)  # the only order, its only step
+    logits = verifier_logits(session, verified, torch.arange(B, device=canvas.device), first, first)  # (B, V)
     tok, _ = kernels.sample(logits, plan.u.gather(1, j).squeeze(1), temperature, top_k, backend=_backend(session))
-    commit(session, verified, rows, active.long(), tok[:, None])
+    commit(session, verified, first, active.long(), tok[:, None])
     plan.step.add_(1)
