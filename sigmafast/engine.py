@@ -127,13 +127,14 @@ class NeuralSession:
         """(B, R) queried positions -> (B, R, V) logits of p(x_j | visited)."""
         B, R = positions.shape
         model, cache = self.model, self.cache
-        x = model.embed(self.last_tok[:, None].expand(B, R), self.last_pos[:, None].expand(B, R), positions)
+        in_pos = self.last_pos[:, None].expand(B, R)
+        x = model.embed(self.last_tok[:, None].expand(B, R), in_pos, positions)
 
         def attend(i, q, k, v):  # (B, H, R, D)
             k_cache, v_cache = cache.layer(i)
             return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        return self.head(model.run_layers(x, attend))
+        return self.head(model.run_layers(x, attend, model.rotary(in_pos, positions)))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits (float32 for 16-bit models)."""
@@ -154,7 +155,7 @@ class NeuralSession:
             k_cache, v_cache = cache.layer(i)
             return kernels.verify_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        hidden = model.run_layers(x, attend)
+        hidden = model.run_layers(x, attend, model.rotary(in_pos, orders))
         return Verified(orders, hidden, None, tuple(keys), tuple(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:

@@ -10,6 +10,14 @@ tokens in order σ is fed as tokens ``[BOS, x_σ1 … x_σ(T-1)]``, in_pos
 ``[START, σ1 … σ(T-1)]``, out_pos ``[σ1 … σT]`` and targets ``[x_σ1 … x_σT]``
 (see :func:`sigmafast.orders.shuffle`).
 
+With ``pos_encoding="rope"`` (or ``"rope+sinusoidal"`` / ``"rope+learned"``, which
+also add the absolute encoding above) the double encoding is *relative*: each
+head's query is rotated by the target position ``out_pos`` and each key by the
+token's own position ``in_pos`` (RoPE, Su et al. 2021), so an attention score
+depends on ``out_pos_query - in_pos_key``: how far the visited token sits from
+the position being predicted. Keys are rotated once, when computed, so a KV
+cache stores rotated keys and the attention kernels take q and k as they are.
+
 The per-layer pieces (``CausalSelfAttention.qkv`` / ``.project``, ``MLP``) work
 on any number of leading dimensions, so the KV-cached inference path can run
 burst ``(B, R, C)`` and multi-order ``(B, O, R, C)`` activations through the
@@ -20,13 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-POS_ENCODINGS = ("sinusoidal", "learned")
+from .loss import linear_cross_entropy
+
+POS_ENCODINGS = ("sinusoidal", "learned", "rope", "rope+sinusoidal", "rope+learned")
+ROPE_BASE = 10000.0
 PE_SCALE = 0.02 * math.sqrt(2.0)  # channel RMS 0.02, as the token embeddings at init
 
 PRESETS: dict[str, dict] = {
@@ -84,6 +95,17 @@ class SigmaGPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def rotary(self) -> bool:
+        """Whether queries and keys are rotated by their positions."""
+        return self.pos_encoding.startswith("rope")
+
+    @property
+    def absolute(self) -> Optional[str]:
+        """The absolute encoding added to the embeddings ("sinusoidal", "learned") or None."""
+        name = self.pos_encoding.removeprefix("rope").removeprefix("+")
+        return name or None
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -122,6 +144,31 @@ def sinusoidal_table(n_pos: int, dim: int, scale: float = PE_SCALE) -> torch.Ten
     return (table * scale).float()
 
 
+class Rotary(NamedTuple):
+    """Rotation angles of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D/2) each."""
+
+    cos_q: torch.Tensor
+    sin_q: torch.Tensor
+    cos_k: torch.Tensor
+    sin_k: torch.Tensor
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(..., H, T, D) rotated pairwise (x_i, x_{i + D/2}) by the angles of cos/sin (..., 1, T, D/2)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q, self.cos_q, self.sin_q), self.rotate(k, self.cos_k, self.sin_k)
+
+
+def rotary_tables(n_pos: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_pos, head_dim / 2) cos and sin of the RoPE angles pos / base^(2i / head_dim)."""
+    inv_freq = torch.pow(base, -torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angle = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq  # (n_pos, D/2)
+    return angle.cos().float(), angle.sin().float()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: SigmaGPTConfig) -> None:
         super().__init__()
@@ -132,12 +179,15 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(..., T, C) -> q, k, v each (..., H, T, D)."""
+    def qkv(self, x: torch.Tensor, rotary: Optional[Rotary] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., T, C) -> q, k, v each (..., H, T, D); q and k rotated when ``rotary`` is given."""
         *lead, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=-1)
         shape = (*lead, T, self.n_head, self.head_dim)
-        return tuple(t.view(shape).transpose(-3, -2) for t in (q, k, v))  # type: ignore[return-value]
+        q, k, v = (t.view(shape).transpose(-3, -2) for t in (q, k, v))
+        if rotary is not None:
+            q, k = rotary.apply(q, k)
+        return q, k, v
 
     def project(self, y: torch.Tensor) -> torch.Tensor:
         """(..., H, T, D) attention output -> (..., T, C) residual update."""
@@ -145,8 +195,8 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(-3, -2).reshape(*lead, T, H * D)
         return self.resid_dropout(self.c_proj(y))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x)  # (B, H, T, D)
+    def forward(self, x: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
+        q, k, v = self.qkv(x, rotary)  # (B, H, T, D)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
@@ -172,8 +222,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rotary)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -189,11 +239,15 @@ class SigmaGPT(nn.Module):
         half = config.n_embd // 2
         n_pos = config.block_size + 1  # + the START position
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        if config.pos_encoding == "learned":
+        if config.absolute == "learned":
             self.wpe_in = nn.Embedding(n_pos, half)
             self.wpe_out = nn.Embedding(n_pos, half)
-        else:
+        elif config.absolute == "sinusoidal":
             self.register_buffer("pe_table", sinusoidal_table(n_pos, half), persistent=False)
+        if config.rotary:
+            cos, sin = rotary_tables(n_pos, config.head_dim)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -216,28 +270,41 @@ class SigmaGPT(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding and self.config.pos_encoding == "learned":
+        if non_embedding and self.config.absolute == "learned":
             n -= self.wpe_in.weight.numel() + self.wpe_out.weight.numel()
         return n
 
-    def pos_embed(self, in_pos: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
-        """(..., T) positions -> (..., T, C) double positional encoding."""
-        if self.config.pos_encoding == "learned":
+    def pos_embed(self, in_pos: torch.Tensor, out_pos: torch.Tensor) -> Optional[torch.Tensor]:
+        """(..., T) positions -> (..., T, C) absolute double positional encoding, None without one."""
+        if self.config.absolute == "learned":
             return torch.cat([self.wpe_in(in_pos), self.wpe_out(out_pos)], dim=-1)
-        return torch.cat([self.pe_table[in_pos], self.pe_table[out_pos]], dim=-1)
+        if self.config.absolute == "sinusoidal":
+            return torch.cat([self.pe_table[in_pos], self.pe_table[out_pos]], dim=-1)
+        return None
 
     def embed(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
         """(..., T) tokens and positions -> (..., T, C) input of the first block."""
-        return self.drop(self.wte(tokens) + self.pos_embed(in_pos, out_pos))
+        x = self.wte(tokens)
+        pe = self.pos_embed(in_pos, out_pos)
+        return self.drop(x if pe is None else x + pe)
 
-    def run_layers(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def rotary(self, in_pos: torch.Tensor, out_pos: torch.Tensor) -> Optional[Rotary]:
+        """(..., T) positions -> the RoPE angles of queries (``out_pos``) and keys (``in_pos``), or None."""
+        if not self.config.rotary:
+            return None
+        angles = [t[out_pos].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin)]  # (..., 1, T, D/2)
+        angles += [t[in_pos].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin)]
+        return Rotary(*angles)
+
+    def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None) -> torch.Tensor:
         """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
 
-        x is (..., T, C); q, k, v and y are (..., H, T, D). Returns the final
-        hidden states after ``ln_f``, (..., T, C).
+        x is (..., T, C); q, k, v and y are (..., H, T, D), q and k already
+        rotated by ``rotary`` (from :meth:`rotary`) when given. Returns the
+        final hidden states after ``ln_f``, (..., T, C).
         """
         for i, block in enumerate(self.h):
-            q, k, v = block.attn.qkv(block.ln_1(x))
+            q, k, v = block.attn.qkv(block.ln_1(x), rotary)
             x = x + block.attn.project(attend(i, q, k, v))
             x = x + block.mlp(block.ln_2(x))
         return self.ln_f(x)
@@ -254,6 +321,15 @@ class SigmaGPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
 
+    def hidden_states(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
+        """(B, T) tokens, in_pos, out_pos -> (B, T, C) final hidden states (after ``ln_f``)."""
+        self.check_inputs(tokens, in_pos, out_pos)
+        x = self.embed(tokens, in_pos, out_pos)  # (B, T, C)
+        rotary = self.rotary(in_pos, out_pos)
+        for block in self.h:
+            x = block(x, rotary)
+        return self.ln_f(x)
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -263,16 +339,27 @@ class SigmaGPT(nn.Module):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(B, T) tokens, in_pos, out_pos[, targets] -> logits (B, T, V), loss or None.
 
-        Targets equal to -1 are ignored by the loss.
+        Targets equal to -1 are ignored by the loss. Training uses :meth:`loss`,
+        which never materialises the (B, T, V) logits.
         """
-        self.check_inputs(tokens, in_pos, out_pos)
-        x = self.embed(tokens, in_pos, out_pos)  # (B, T, C)
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        logits = self.lm_head(self.hidden_states(tokens, in_pos, out_pos))  # (B, T, V)
         loss = None
         if targets is not None:
-            if targets.shape != tokens.shape:
-                raise ValueError(f"targets must have shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            self._check_targets(targets, tokens)
+            logits32 = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+            loss = F.cross_entropy(logits32, targets.flatten(), ignore_index=-1)
         return logits, loss
+
+    def loss(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor,
+             targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the (B, T) targets (-1 ignored), chunked: no (B, T, V) logits."""
+        self._check_targets(targets, tokens)
+        hidden = self.hidden_states(tokens, in_pos, out_pos)  # (B, T, C)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets)
+
+    @staticmethod
+    def _check_targets(targets: torch.Tensor, tokens: torch.Tensor) -> None:
+        if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+            raise TypeError(f"targets must be an int64 torch.Tensor, got {getattr(targets, 'dtype', type(targets))}")
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets must have shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")

@@ -139,7 +139,7 @@ def estimate_val_loss(model: SigmaGPT, batches, order: str, bos: int, autocast, 
         sigma = rand if order == "random" else orders.left_to_right(*x.shape)
         tokens, in_pos, out_pos, targets = orders.shuffle(x, sigma, bos, model.config.start_pos)
         with autocast:
-            _, loss = model(tokens.to(device), in_pos.to(device), out_pos.to(device), targets.to(device))
+            loss = model.loss(tokens.to(device), in_pos.to(device), out_pos.to(device), targets.to(device))
         total += loss.float()
     return (total / len(batches)).item()
 
@@ -159,6 +159,17 @@ def sample_validity(model: SigmaGPT, task, canvas: torch.Tensor, seed: int, devi
     g = torch.Generator(device=device).manual_seed(seed)
     samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g)
     return task.evaluate(samples.cpu())
+
+
+class SigmaLoss(torch.nn.Module):
+    """``model.loss`` as a module call, so that DDP and ``torch.compile`` wrap the chunked loss."""
+
+    def __init__(self, model: SigmaGPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, in_pos, out_pos, targets) -> torch.Tensor:
+        return self.model.loss(tokens, in_pos, out_pos, targets)
 
 
 class _StopRequest:
@@ -239,7 +250,8 @@ class _Trainer:
         if ckpt is not None:
             self._restore(ckpt)
 
-        net = torch.compile(self.model) if cfg.compile else self.model
+        net = SigmaLoss(self.model)
+        net = torch.compile(net) if cfg.compile else net
         if layout.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             net = DistributedDataParallel(net, device_ids=device_ids)
@@ -324,7 +336,7 @@ class _Trainer:
             sync = nullcontext() if last or not self.layout.distributed else self.net.no_sync()
             with sync:
                 with self.autocast:
-                    _, loss = self.net(tokens, in_pos, out_pos, targets)
+                    loss = self.net(tokens, in_pos, out_pos, targets)
                 (loss / self.accum).backward()
             loss_sum += loss.detach().float()
         if self.cfg.grad_clip > 0:

@@ -11,11 +11,12 @@ from sigmafast import SigmaGPT, SigmaGPTConfig
 
 
 def tiny_model(vocab_size: int = 5, block_size: int = 8, seed: int = 0, std: float = 0.3,
-               dtype: torch.dtype = torch.float64, n_embd: int = 32) -> SigmaGPT:
+               dtype: torch.dtype = torch.float64, n_embd: int = 32, pos_encoding: str = "sinusoidal") -> SigmaGPT:
     """A 2-layer random model whose weights are scaled up (``std``) so that its
     conditionals are far from uniform and depend on the visited tokens and order."""
     torch.manual_seed(seed)
-    config = SigmaGPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=n_embd)
+    config = SigmaGPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=n_embd,
+                            pos_encoding=pos_encoding)
     model = SigmaGPT(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from sigmafast import orders
-from sigmafast.model import PE_SCALE, PRESETS, SigmaGPT, SigmaGPTConfig, sinusoidal_table
+from sigmafast.loss import linear_cross_entropy
+from sigmafast.model import PE_SCALE, PRESETS, Rotary, SigmaGPT, SigmaGPTConfig, rotary_tables, sinusoidal_table
 
 
 def tiny_config(**kw) -> SigmaGPTConfig:
@@ -19,7 +20,7 @@ def inputs(B=3, T=9, V=11, seed=0, block_size=16):
     return orders.shuffle(x, order, bos=V - 1, start_pos=block_size)
 
 
-@pytest.fixture(params=["sinusoidal", "learned"])
+@pytest.fixture(params=["sinusoidal", "learned", "rope", "rope+sinusoidal"])
 def model(request):
     torch.manual_seed(0)
     return SigmaGPT(tiny_config(pos_encoding=request.param)).eval()
@@ -73,9 +74,90 @@ def test_run_layers_reproduces_forward(model):
     def attend(layer, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    hidden = model.run_layers(model.embed(tokens, in_pos, out_pos), attend)
+    x = model.embed(tokens, in_pos, out_pos)
+    hidden = model.run_layers(x, attend, model.rotary(in_pos, out_pos))
     logits, _ = model(tokens, in_pos, out_pos)
     torch.testing.assert_close(model.lm_head(hidden), logits)
+
+
+@pytest.mark.parametrize("chunk_elements", [2**25, 11 * 4, 11 * 5, 1], ids=["one-chunk", "4-rows", "5-rows", "1-row"])
+def test_chunked_loss_matches_full_cross_entropy(model, chunk_elements):
+    tokens, in_pos, out_pos, targets = inputs(B=3, T=9, seed=2)
+    targets = targets.clone()
+    targets[1, :5] = -1  # ignored rows, some of them inside a chunk
+    model.double().train()
+
+    def grads(loss_fn):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    full, g_full = grads(lambda: model(tokens, in_pos, out_pos, targets)[1] * 3.0)
+    hidden_fn = model.hidden_states
+
+    def chunked():
+        return linear_cross_entropy(hidden_fn(tokens, in_pos, out_pos), model.lm_head.weight, targets,
+                                    chunk_elements=chunk_elements) * 3.0
+
+    loss, g_chunked = grads(chunked)
+    torch.testing.assert_close(loss, full, rtol=1e-12, atol=1e-12)
+    assert g_full.keys() == g_chunked.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_chunked[name], g_full[name], rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(model.loss(tokens, in_pos, out_pos, targets) * 3.0, full, rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_loss_all_ignored_is_zero_with_zero_gradient():
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.full((4,), -1), chunk_elements=10)
+    loss.backward()
+    assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any()
+
+
+@pytest.mark.parametrize(
+    "args,error,match",
+    [
+        ((torch.randn(4, 8), torch.randn(5, 7), torch.zeros(4, dtype=torch.long)), ValueError, "weight must be"),
+        ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(3, dtype=torch.long)), ValueError, "targets must have"),
+        ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4)), TypeError, "targets must be int64"),
+    ],
+    ids=["width", "targets-shape", "targets-dtype"],
+)
+def test_chunked_loss_rejects_bad_inputs(args, error, match):
+    with pytest.raises(error, match=match):
+        linear_cross_entropy(*args)
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    cos, sin = rotary_tables(40, 8)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 1, 8, generator=g).unbind(0)  # (1, 1, D) each
+
+    def score(out_pos: int, in_pos: int) -> torch.Tensor:
+        rq = Rotary.rotate(q, cos[out_pos][None, None], sin[out_pos][None, None])
+        rk = Rotary.rotate(k, cos[in_pos][None, None], sin[in_pos][None, None])
+        return (rq * rk).sum()
+
+    for offset in (0, 3, -5):
+        scores = torch.stack([score(p + offset, p) for p in range(6, 30, 4)])
+        torch.testing.assert_close(scores, scores[0].expand_as(scores), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(score(9, 6), score(9, 7))
+
+
+def test_rope_keeps_norms_and_has_no_absolute_table():
+    model = SigmaGPT(tiny_config(pos_encoding="rope"))
+    assert not hasattr(model, "pe_table") and not hasattr(model, "wpe_in")
+    assert model.config.rotary and model.config.absolute is None
+    both = SigmaGPT(tiny_config(pos_encoding="rope+learned"))
+    assert both.config.absolute == "learned" and hasattr(both, "wpe_in")
+    x = torch.randn(2, 2, 5, 32)  # (B, H, T, D)
+    pos = torch.tensor([[0, 3, 7, 16, 2], [1, 1, 9, 4, 12]])
+    rot = model.rotary(pos, pos)
+    q, _ = rot.apply(x, x)
+    torch.testing.assert_close(q.norm(dim=-1), x.norm(dim=-1))
 
 
 @pytest.mark.parametrize(
@@ -86,7 +168,7 @@ def test_run_layers_reproduces_forward(model):
         (dict(block_size=0), "block_size must be a positive int"),
         (dict(n_layer=2.0), "n_layer must be a positive int"),
         (dict(dropout=1.0), "dropout must be in"),
-        (dict(pos_encoding="rope"), "pos_encoding must be one of"),
+        (dict(pos_encoding="alibi"), "pos_encoding must be one of"),
         (dict(bos_token_id=11), "bos_token_id must be an int in"),
     ],
     ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "pos-encoding", "bos-range"],

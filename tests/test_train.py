@@ -228,7 +228,7 @@ def test_grad_accum_must_split_across_ranks():
         (dict(dtype="float16"), ValueError, "TrainConfig.dtype"),
         (dict(device="tpu"), ValueError, "TrainConfig.device"),
         (dict(device="cuda:x"), ValueError, "TrainConfig.device"),
-        (dict(pos_encoding="rope"), ValueError, "TrainConfig.pos_encoding"),
+        (dict(pos_encoding="alibi"), ValueError, "TrainConfig.pos_encoding"),
         (dict(seq_len=0), ValueError, "TrainConfig.seq_len must be >= 1"),
     ],
     ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",

@@ -1,0 +1,100 @@
+"""Linear + cross-entropy over row chunks: the LM-head loss without (N, V) logits.
+
+``linear_cross_entropy(hidden, weight, targets)`` equals
+``F.cross_entropy(hidden @ weight.T, targets, ignore_index=-1)`` but never holds
+more than :data:`LOSS_CHUNK_ELEMENTS` logits at a time. With gradients it
+computes them during the forward, chunk by chunk (Liger-Kernel's fused
+linear cross-entropy, in PyTorch):
+
+    d loss / d logits_n = (softmax(logits_n) - onehot(y_n)) / N_valid
+
+    d hidden_n  = (d logits_n) @ W            (one chunk of rows at a time)
+    d W        += (d logits_n)^T @ hidden_n
+
+so the backward is a scaling of the stored ``(N, C)`` and ``(V, C)`` gradients.
+Peak extra memory is about three chunks of float32 logits (logits, their
+softmax and the gradient) instead of ``3 N V`` floats: 6.6 GB → 0.4 GB for a
+32 × 1024 batch over GPT-2's 50257 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LOSS_CHUNK_ELEMENTS = 2**25  # logits per chunk (128 MiB in float32)
+IGNORE_INDEX = -1
+
+
+def chunk_rows(vocab_size: int, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> int:
+    """Rows per chunk so that one chunk holds at most ``chunk_elements`` logits."""
+    return max(1, chunk_elements // vocab_size)
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, C) hidden, (V, C) weight, (n,) targets -> summed loss and (n, V) logits, float32 at least."""
+    logits = h @ weight.T  # (n, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, logits
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows):  # (N, C), (V, C), (N,)
+        n_valid = (targets != IGNORE_INDEX).sum().clamp_min(1)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        for start in range(0, hidden.shape[0], rows):
+            h, y = hidden[start:start + rows], targets[start:start + rows]
+            loss, logits = _chunk_loss(h, weight, y)
+            total += loss
+            if grad_h is None and grad_w is None:
+                continue
+            d_logits = logits.softmax(dim=-1)  # (n, V): softmax - onehot, zero on ignored rows
+            valid = y != IGNORE_INDEX
+            d_logits.scatter_add_(1, y.clamp_min(0)[:, None], -valid[:, None].to(d_logits.dtype))
+            d_logits.mul_(valid[:, None])
+            d_logits = d_logits.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[start:start + rows] = d_logits @ weight.to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += (d_logits.T @ h).to(acc)
+        ctx.save_for_backward(grad_h, grad_w, n_valid)
+        return total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, n_valid = ctx.saved_tensors
+        scale = grad_out / n_valid
+        d_h = (grad_h * scale.to(grad_h.dtype)) if grad_h is not None else None
+        d_w = (grad_w * scale) if grad_w is not None else None
+        return d_h, d_w, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (-1 ignored), chunked over rows.
+
+    hidden (..., C), weight (V, C), targets (...) int64 -> scalar loss (float32, or float64 for float64).
+    """
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("hidden and weight must be torch.Tensors")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight must be (V, C={hidden.shape[-1]}), got {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+    if targets.dtype != torch.int64:
+        raise TypeError(f"targets must be int64, got {targets.dtype}")
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+    rows = chunk_rows(weight.shape[0], chunk_elements)
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, rows)
+    total = sum(_chunk_loss(hidden[i:i + rows], weight, targets[i:i + rows])[0]
+                for i in range(0, hidden.shape[0], rows))
+    return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
