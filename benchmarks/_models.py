@@ -117,7 +117,11 @@ class ModelCache:
 
     def get(self, name: str, device: torch.device, text: Optional[Path] = None) -> BenchModel:
         """The trained benchmark model ``name``: from the cache, or trained now (then cached)."""
-        s = spec(name)
+        return self.get_spec(spec(name), device, text)
+
+    def get_spec(self, s: ModelSpec, device: torch.device, text: Optional[Path] = None) -> BenchModel:
+        """The model of recipe ``s``: from the cache, or trained now (then cached)."""
+        name = s.name
         out_dir = self.root / f"{name}-{_key(s.train_kwargs(Path('.'), text), text)}"
         memo = (str(out_dir), str(device))
         if memo not in self._loaded:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "benchmarks"
-MY_KINDS = ("oracle_steps", "model_steps", "throughput")
+MY_KINDS = ("oracle_steps", "model_steps", "throughput", "orders")
 TASK_ORDER = ("product", "step", "permutation", "maze", "char")
 
 
@@ -114,6 +114,17 @@ def throughput_table(entries: list[dict]) -> str:
                   "achieved GFLOP/s"], rows)
 
 
+def orders_table(entries: list[dict]) -> str:
+    rows = []
+    key = (lambda e: (_rank(e["task"]), e["pos_encoding"], e["order"]))
+    for e in sorted(entries, key=key):
+        best = min(c["val_loss_random"] for c in e["curve"])
+        rows.append([e["task"], e["pos_encoding"], e["order"], e["final"]["val_loss_random"], best,
+                     e["final"]["val_loss_l2r"], f"{e['preset']}, T={e['seq_len']}, {e['steps']} steps"])
+    return table(["task", "position encoding", "training order", "random-order val loss", "best",
+                  "l2r val loss", "budget"], rows)
+
+
 def other_table(benchmarks: list[dict]) -> str:
     rows = []
     for b in benchmarks:
@@ -137,6 +148,7 @@ def markdown(machine: dict, benchmarks: list[dict]) -> str:
         ("Steps: exact oracles", oracle_table, by_kind(benchmarks, "oracle_steps")),
         ("Steps: small trained models", model_table, by_kind(benchmarks, "model_steps")),
         ("Throughput", throughput_table, by_kind(benchmarks, "throughput")),
+        ("Orders and position encodings (validation loss, nats/token)", orders_table, by_kind(benchmarks, "orders")),
     ]
     for title, fn, entries in sections:
         if entries:
@@ -253,7 +265,34 @@ def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
         written.append(out_dir / "throughput.png")
         fig.savefig(written[-1], dpi=80)
         plt.close(fig)
+    orders = by_kind(benchmarks, "orders")
+    if orders:
+        written.append(_plot_orders(plt, orders, machine, out_dir / "orders.png"))
     return written
+
+
+def _plot_orders(plt, entries: list[dict], machine: dict, path: Path) -> Path:
+    """Per task: random-order (solid) and l2r (dashed) validation loss against steps, one colour per run."""
+    tasks = _ordered({e["task"] for e in entries})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        runs = sorted((e for e in entries if e["task"] == task), key=lambda e: (e["pos_encoding"], e["order"]))
+        for i, e in enumerate(runs):
+            colour = f"C{i % 10}"
+            steps = [c["iter"] for c in e["curve"]]
+            label = f"{e['pos_encoding']}, {e['order']}"
+            ax.plot(steps, [c["val_loss_random"] for c in e["curve"]], color=colour, label=label + " (random)")
+            ax.plot(steps, [c["val_loss_l2r"] for c in e["curve"]], color=colour, ls="--", lw=1)
+        ax.set_xlabel("training steps")
+        ax.set_ylabel("validation loss (nats/token); dashed: left-to-right")
+        ax.set_title(f"{task} ({runs[0]['preset']}, T={runs[0]['seq_len']})", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"Training orders and position encodings — {device_title(machine)}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> None:

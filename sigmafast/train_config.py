@@ -42,6 +42,12 @@ TRAIN_PRESETS: dict[str, dict] = {
 
 PAPER_TASKS = ("owt", "wikitext103")
 
+# Per-task recipes, chosen from learning curves measured on a 2-core CPU (README, "Recipes"). They
+# fill the fields a user leaves unset. The task-level keys apply with any preset; the others (sizes,
+# schedule) only with the recipe's own preset.
+TASK_RECIPES: dict[str, dict] = {}
+TASK_LEVEL_FIELDS = ("pos_encoding", "order", "curriculum_start")
+
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding")
 
 
@@ -83,8 +89,9 @@ class TrainConfig:
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: Optional[float] = _field(None, "AdamW beta2" + _PRESET)
     grad_clip: float = _field(1.0, "gradient norm clip (0 disables)")
-    order: str = _field("random", "training order", ORDER_NAMES)
-    curriculum_start: float = _field(0.5, "curriculum: left-to-right fraction at step 0, falling linearly to 0")
+    order: Optional[str] = _field(None, "training order (default: the task recipe's, else random)", ORDER_NAMES)
+    curriculum_start: Optional[float] = _field(
+        None, "curriculum: left-to-right fraction at step 0, falling linearly to 0 (default: 0.5)")
     eval_interval: Optional[int] = _field(None, "steps between evaluations" + _PRESET)
     eval_iters: Optional[int] = _field(None, "validation batches per evaluation" + _PRESET)
     log_interval: int = _field(10, "steps between log lines")
@@ -101,9 +108,10 @@ class TrainConfig:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         _check_choice("task", self.task, TASK_NAMES)
         if self.preset is None:
-            self.preset = default_preset(self.task)
+            self.preset = TASK_RECIPES.get(self.task, {}).get("preset", default_preset(self.task))
         _check_choice("preset", self.preset, tuple(PRESETS))
-        _check_choice("order", self.order, ORDER_NAMES)
+        if self.order is not None:
+            _check_choice("order", self.order, ORDER_NAMES)
         _check_choice("dtype", self.dtype, DTYPES)
         if self.pos_encoding is not None:
             _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
@@ -119,7 +127,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
                 raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {value!r}")
-        if not 0.0 <= self.curriculum_start <= 1.0:
+        if self.curriculum_start is not None and not 0.0 <= self.curriculum_start <= 1.0:
             raise ValueError(f"TrainConfig.curriculum_start must be in [0, 1], got {self.curriculum_start!r}")
         if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"TrainConfig.min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
@@ -129,9 +137,17 @@ class TrainConfig:
                 f"TrainConfig.n_embd ({arch['n_embd']}) must be divisible by 2*n_head ({2 * arch['n_head']})"
             )
 
+    def recipe(self) -> dict:
+        """The task recipe's defaults that apply with this config's preset (see :data:`TASK_RECIPES`)."""
+        recipe = TASK_RECIPES.get(self.task, {})
+        if recipe.get("preset", self.preset) != self.preset:
+            recipe = {k: v for k, v in recipe.items() if k in TASK_LEVEL_FIELDS}
+        return {k: v for k, v in recipe.items() if k != "preset"}
+
     def architecture(self) -> dict:
-        """The preset's architecture with this config's overrides (no task fields)."""
+        """The preset's architecture with the recipe's and this config's overrides (no task fields)."""
         arch = {k: v for k, v in PRESETS[self.preset].items() if k != "block_size"}
+        arch.update({k: v for k, v in self.recipe().items() if k in ARCH_FIELDS})
         arch.update({k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None})
         return arch
 
@@ -202,7 +218,7 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
     ``seq_len`` is the task's; ``world_size`` the number of DDP ranks, which
     must divide ``grad_accum``.
     """
-    preset = TRAIN_PRESETS[cfg.preset]
+    preset = {**TRAIN_PRESETS[cfg.preset], "order": "random", "curriculum_start": 0.5, **cfg.recipe()}
     values = {k: (preset[k] if getattr(cfg, k) is None and k in preset and k != "min_lr" else getattr(cfg, k))
               for k in (f.name for f in dataclasses.fields(cfg))}
     if cfg.grad_accum is None:  # at least one micro-step per rank

@@ -77,6 +77,17 @@ def test_burst_step_compiles_without_graph_breaks(model, backend, rule, num_orde
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_rotary_burst_step_compiles_without_graph_breaks(backend):
+    rope = tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32, pos_encoding="rope")
+    torch._dynamo.reset()
+    compiled = torch.compile(steps.burst_step, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want = _burst_run(rope, steps.burst_step, backend, "paper", 3)
+        got = _burst_run(rope, compiled, backend, "paper", 3)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_ar_step_compiles_without_graph_breaks(model, backend):
     torch._dynamo.reset()
     compiled = torch.compile(steps.ar_step, fullgraph=True, backend="aot_eager")
