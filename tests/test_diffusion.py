@@ -234,3 +234,78 @@ def test_sampler_with_the_exact_x0_law_samples_the_product_law(noise, steps):
     assert chi2_pvalue(torch.bincount(ones, minlength=T + 1), binomial) > P_MIN
     position_rate = (out == 1).double().mean(0)  # every position is Bernoulli(p)
     assert ((position_rate - p_one).abs() < 4 * math.sqrt(p_one * (1 - p_one) / N)).all()
+
+
+# --- trainer, checkpoints ---------------------------------------------------------------------------
+
+
+def diffusion_cfg(tmp_path, **kw) -> TrainConfig:
+    base = dict(task="product", seq_len=12, preset="tiny", objective="diffusion", batch_size=8, max_iters=4,
+                warmup_iters=1, eval_interval=2, eval_iters=2, log_interval=1, num_eval_samples=4,
+                out_dir=str(tmp_path))
+    return TrainConfig(**{**base, **kw})
+
+
+def test_train_config_objective_fields():
+    with pytest.raises(ValueError, match="objective"):
+        TrainConfig(objective="ddpm")
+    with pytest.raises(ValueError, match="diffusion_noise"):
+        TrainConfig(objective="diffusion", diffusion_noise="gaussian")
+    with pytest.raises(ValueError, match="applies to objective 'sigma' only"):
+        TrainConfig(objective="diffusion", order="left-to-right")
+    assert TrainConfig().diffusion_config() is None
+    assert TrainConfig(objective="diffusion", diffusion_noise="absorbing").diffusion_config().noise == "absorbing"
+
+
+@pytest.mark.parametrize("noise", NOISES)
+def test_checkpoint_round_trip_and_wrong_objective(tmp_path, noise):
+    result = train(diffusion_cfg(tmp_path, diffusion_noise=noise))
+    assert [h["iter"] for h in result.history] == [0, 2, 4]
+    assert {"val_loss_diffusion", "sample_ones_rate"} <= set(result.history[-1])
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["objective"] == "diffusion" and ckpt["diffusion_config"] == {"noise": noise}
+    assert set(ckpt["best_val_loss"]) == {"diffusion"}
+    model, task, cfg = load_checkpoint(tmp_path / "ckpt.pt")
+    assert isinstance(model, DiffusionGPT) and model.noise == noise and not model.training
+    assert cfg.objective == "diffusion" and task.name == "product"
+    for (name, p), q in zip(model.state_dict().items(), result.model.state_dict().values()):
+        assert torch.equal(p, q), name
+    with pytest.raises(TypeError, match="sigmafast.diffusion.generate"):
+        sigmafast.generate(model, torch.zeros(1, 0, dtype=torch.long), 12)
+    with pytest.raises(ValueError, match="objective: checkpoint 'diffusion'"):
+        train(diffusion_cfg(tmp_path, objective="sigma", resume=True))
+    resumed = train(diffusion_cfg(tmp_path, diffusion_noise=noise, max_iters=6, resume=True))
+    assert [h["iter"] for h in resumed.history] == [0, 2, 4, 6]
+
+
+def test_checkpoint_without_objective_loads_as_sigma(tmp_path):
+    train(diffusion_cfg(tmp_path, objective="sigma", max_iters=2, num_eval_samples=0))
+    path = tmp_path / "ckpt.pt"
+    ckpt = read_checkpoint(path)
+    assert ckpt["objective"] == "sigma" and ckpt["diffusion_config"] is None
+    for key in ("objective", "diffusion_config"):
+        del ckpt[key]
+    del ckpt["train_config"]["objective"], ckpt["train_config"]["diffusion_noise"]
+    atomic_save(ckpt, path)
+    model, _, cfg = load_checkpoint(path)
+    assert isinstance(model, sigmafast.SigmaGPT) and cfg.objective == "sigma"
+    with pytest.raises(TypeError, match="needs a DiffusionGPT"):
+        diffusion.generate(model, torch.zeros(1, 0, dtype=torch.long), 12)
+    with pytest.raises(ValueError, match="objective: checkpoint 'sigma'"):
+        train(diffusion_cfg(tmp_path, resume=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("noise", NOISES)
+def test_trained_model_reproduces_the_product_ones_rate(tmp_path, noise):
+    """A tiny model trained by ``train(objective="diffusion")`` on product (p = 0.1) samples 1000 rows
+    whose ones-rate lies in the 99.9% confidence interval around 0.1 (rows are independent draws)."""
+    cfg = diffusion_cfg(tmp_path, seq_len=20, diffusion_noise=noise, batch_size=32, max_iters=600, warmup_iters=50,
+                        eval_interval=600, log_interval=100, num_eval_samples=0)
+    model = train(cfg).model
+    N, T = 1000, 20
+    out = diffusion.generate(model, torch.zeros(N, 0, dtype=torch.long), T, steps=T,
+                             generator=torch.Generator().manual_seed(0))
+    rates = (out == 1).double().mean(1)  # (N,) per-row ones-rate
+    half_width = 3.29 * rates.std() / math.sqrt(N)
+    assert abs(rates.mean() - 0.1) < half_width, (rates.mean(), half_width)
