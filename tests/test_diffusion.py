@@ -300,8 +300,8 @@ def test_checkpoint_without_objective_loads_as_sigma(tmp_path):
 def test_trained_model_reproduces_the_product_ones_rate(tmp_path, noise):
     """A tiny model trained by ``train(objective="diffusion")`` on product (p = 0.1) samples 1000 rows
     whose ones-rate lies in the 99.9% confidence interval around 0.1 (rows are independent draws)."""
-    cfg = diffusion_cfg(tmp_path, seq_len=20, diffusion_noise=noise, batch_size=32, max_iters=600, warmup_iters=50,
-                        eval_interval=600, log_interval=100, num_eval_samples=0)
+    cfg = diffusion_cfg(tmp_path, seq_len=20, diffusion_noise=noise, batch_size=64, max_iters=400, warmup_iters=40,
+                        min_lr=3e-5, eval_interval=400, log_interval=100, num_eval_samples=0)
     model = train(cfg).model
     N, T = 1000, 20
     out = diffusion.generate(model, torch.zeros(N, 0, dtype=torch.long), T, steps=T,

@@ -130,7 +130,7 @@ class DiffusionGPT(nn.Module):
 
 
 def objective_of(model) -> str:
-    """"diffusion" for a :class:`DiffusionGPT`, else "sigma"."""
+    """The training objective of ``model``: "diffusion" for a :class:`DiffusionGPT`, else "sigma"."""
     return getattr(model, "objective", "sigma")
 
 
