@@ -11,6 +11,10 @@ Every flag is a field of :class:`SampleArgs`. Three modes:
   A template shorter than ``--length`` (the task's length by default) is padded
   with unknown positions.
 
+A checkpoint trained with ``--objective diffusion`` samples with
+:func:`sigmafast.diffusion.generate` in ``--steps`` steps (``--temperature``,
+``--top-k``, ``--seed`` apply; the σ-GPT strategy flags are ignored).
+
 ``--live`` redraws the canvas after every iteration (burst) or token
 (autoregressive) with the iteration count.
 """
@@ -49,6 +53,7 @@ class SampleArgs:
     top_k: Optional[int] = field(default=None, metadata={"help": "keep the k most likely tokens"})
     seed: int = field(default=0, metadata={"help": "seed of the sampling generator"})
     live: bool = field(default=False, metadata={"help": "redraw the canvas after every iteration"})
+    steps: Optional[int] = field(default=None, metadata={"help": "diffusion checkpoints: steps (canvas length)"})
 
     def __post_init__(self) -> None:
         if not self.checkpoint:
@@ -166,11 +171,23 @@ def run(args: SampleArgs) -> int:
         idx = torch.tensor(prompt, dtype=torch.long).expand(B, len(prompt)).to(args.device)
         kwargs["max_new_tokens"] = args.max_new_tokens if args.max_new_tokens is not None else T - len(prompt)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    if sigmafast.diffusion.objective_of(model) == "diffusion":
+        if args.live:
+            raise ValueError("--live is not available for diffusion checkpoints")
+        out, stats = sigmafast.diffusion.generate(model, idx, steps=args.steps, temperature=args.temperature,
+                                                  top_k=args.top_k, generator=generator, return_stats=True, **kwargs)
+        return report(task, out, stats)
+    if args.steps is not None:
+        raise ValueError("--steps is for diffusion checkpoints; this one holds a σ-GPT")
     out, stats = sigmafast.generate(
         model, idx, temperature=args.temperature, top_k=args.top_k, strategy=args.strategy, order=args.order,
         num_orders=args.num_orders, acceptance=args.acceptance, generator=generator, return_stats=True,
         on_iteration=LiveView(task) if args.live else None, **kwargs,
     )
+    return report(task, out, stats)
+
+
+def report(task, out: torch.Tensor, stats) -> int:
     for row in out.cpu():
         print(task.decode(row))
         print("-" * 40)

@@ -6,10 +6,13 @@ import os
 import uuid
 from contextlib import suppress
 from pathlib import Path
+from typing import Optional
 
 import torch
+import torch.nn as nn
 
-from .model import SigmaGPT, SigmaGPTConfig
+from .diffusion.model import DiffusionConfig, make_model, objective_of
+from .model import SigmaGPTConfig
 from .train_config import TrainConfig
 
 CKPT_NAME = "ckpt.pt"
@@ -62,9 +65,21 @@ def task_record(task, kwargs: dict) -> dict:
     return {"name": task.name, "kwargs": {**kwargs, **paths}, "seq_len": task.seq_len, "vocab_size": task.vocab_size}
 
 
-def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path) -> None:
-    """Raise ``ValueError`` listing every architecture or task field that differs from the checkpoint."""
+def stored_objective(ckpt: dict) -> tuple[str, Optional[DiffusionConfig]]:
+    """The checkpoint's objective and diffusion config; checkpoints older than the field hold "sigma"."""
+    objective = ckpt.get("objective", "sigma")
+    diffusion = ckpt.get("diffusion_config")
+    return objective, None if diffusion is None else DiffusionConfig.from_dict(diffusion)
+
+
+def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path, objective: str = "sigma",
+                     diffusion: Optional[DiffusionConfig] = None) -> None:
+    """Raise ``ValueError`` listing every objective, architecture or task field that differs from the
+    checkpoint."""
     diffs = []
+    was = stored_objective(ckpt)
+    if was != (objective, diffusion):
+        diffs.append(f"objective: checkpoint {was[0]!r} {was[1]}, now {objective!r} {diffusion}")
     stored, now = ckpt["model_config"], model_config.to_dict()
     for k in sorted(set(stored) | set(now)):
         if stored.get(k) != now.get(k):
@@ -88,8 +103,11 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def load_checkpoint(path, device="cpu") -> tuple[SigmaGPT, object, TrainConfig]:
+def load_checkpoint(path, device="cpu") -> tuple[nn.Module, object, TrainConfig]:
     """``(model, task, train_cfg)`` from a checkpoint; the model is in eval mode on ``device``.
+
+    The model is a :class:`~sigmafast.model.SigmaGPT` or, for a checkpoint of objective
+    "diffusion", a :class:`~sigmafast.diffusion.DiffusionGPT`.
 
     The task is rebuilt through ``get_task`` with the arguments stored at training time.
     """
@@ -98,13 +116,13 @@ def load_checkpoint(path, device="cpu") -> tuple[SigmaGPT, object, TrainConfig]:
     ckpt = read_checkpoint(path)
     train_cfg = TrainConfig.from_dict(ckpt["train_config"])
     task = get_task(ckpt["task"]["name"], **ckpt["task"]["kwargs"])
-    model = SigmaGPT(SigmaGPTConfig.from_dict(ckpt["model_config"]))
+    model = make_model(SigmaGPTConfig.from_dict(ckpt["model_config"]), *stored_objective(ckpt))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), task, train_cfg
 
 
 def build_checkpoint(
-    model: SigmaGPT,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     train_cfg: TrainConfig,
     task: dict,
@@ -114,7 +132,10 @@ def build_checkpoint(
     history: list,
 ) -> dict:
     """The checkpoint dict; ``rng`` holds one :func:`rng_state` per DDP rank."""
+    diffusion = getattr(model, "diffusion_config", None)
     return {
+        "objective": objective_of(model),
+        "diffusion_config": None if diffusion is None else diffusion.to_dict(),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "model_config": model.config.to_dict(),

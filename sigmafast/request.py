@@ -89,6 +89,11 @@ def is_sigma_gpt(model) -> bool:
 
 def model_limits(model) -> tuple[int, int, torch.device]:
     """(vocab_size, block_size, device) of a SigmaGPT or of an oracle."""
+    if getattr(model, "objective", "sigma") != "sigma":
+        raise TypeError(
+            f"model is a {model.objective!r} model ({type(model).__name__}), not a σ-GPT: sample it with "
+            "sigmafast.diffusion.generate"
+        )
     if is_sigma_gpt(model):
         cfg = model.config
         return cfg.vocab_size, cfg.block_size, next(model.parameters()).device

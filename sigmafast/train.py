@@ -25,12 +25,13 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import orders
+from . import diffusion, orders
 from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_checkpoint,
     rng_state, set_rng_state, task_record,
 )
 from .distributed import Layout, init_layout
+from .diffusion import training as diffusion_training
 from .model import SigmaGPT, SigmaGPTConfig
 from .train_config import TrainConfig, resolve
 
@@ -46,7 +47,7 @@ _PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181
 
 @dataclass
 class TrainResult:
-    model: SigmaGPT
+    model: torch.nn.Module  # a SigmaGPT, or a DiffusionGPT for objective "diffusion"
     task: object
     history: list[dict]
     checkpoint_path: Path
@@ -151,13 +152,17 @@ def _numeric_metrics(metrics) -> bool:
 
 
 @torch.no_grad()
-def sample_validity(model: SigmaGPT, task, canvas: torch.Tensor, seed: int, device) -> dict:
-    """``task.evaluate`` of sequences sampled autoregressively (random order) around the task's prompt."""
+def sample_validity(model: torch.nn.Module, task, canvas: torch.Tensor, seed: int, device) -> dict:
+    """``task.evaluate`` of sequences sampled around the task's prompt: autoregressively in random
+    order for a σ-GPT, in T steps for a diffusion model."""
     from .naive import generate
 
     known = task.prompt_mask.to(device).expand(canvas.shape)  # (N, T)
     g = torch.Generator(device=device).manual_seed(seed)
-    samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g)
+    if diffusion.objective_of(model) == "diffusion":
+        samples = diffusion.generate(model, canvas.to(device), known=known, generator=g)
+    else:
+        samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g)
     return task.evaluate(samples.cpu())
 
 
@@ -227,7 +232,8 @@ class _Trainer:
         ckpt = None
         if cfg.resume:
             ckpt = read_checkpoint(self.path)
-            check_compatible(ckpt, self.model_config, self.task_info, self.path)
+            check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective,
+                             cfg.diffusion_config())
 
         use_bf16 = cfg.dtype == "bfloat16" or (
             cfg.dtype == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -238,11 +244,12 @@ class _Trainer:
             torch.backends.cudnn.allow_tf32 = True
 
         torch.manual_seed(cfg.seed)
-        self.model = SigmaGPT(self.model_config)
+        self.model = diffusion.make_model(self.model_config, cfg.objective, cfg.diffusion_config())
         if layout.distributed:
             torch.manual_seed(cfg.seed + layout.rank)
         self.start_iter, self.history = 0, []
-        self.best_val_loss = {"random": math.inf, "l2r": math.inf}
+        self.val_names = ("diffusion",) if cfg.objective == "diffusion" else ("random", "l2r")
+        self.best_val_loss = {name: math.inf for name in self.val_names}
         if ckpt is not None:
             self.model.load_state_dict(ckpt["model"])
         self.model.to(self.device)
@@ -250,7 +257,7 @@ class _Trainer:
         if ckpt is not None:
             self._restore(ckpt)
 
-        net = SigmaLoss(self.model)
+        net = self.model if cfg.objective == "diffusion" else SigmaLoss(self.model)
         net = torch.compile(net) if cfg.compile else net
         if layout.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -292,16 +299,15 @@ class _Trainer:
         if not self.layout.is_main or (self.history and self.history[-1]["iter"] == it):
             return
         self.model.eval()
-        bos = self.task.bos
         record: dict = {"iter": it}
-        for order in ("random", "l2r"):
-            loss = estimate_val_loss(self.model, self.val_batches, order, bos, self.autocast, self.device)
-            record[f"val_loss_{order}"] = loss
-            record[f"val_ppl_{order}"] = math.exp(min(loss, 700.0))
-            self.best_val_loss[order] = min(self.best_val_loss[order], loss)
-        line = (f"eval iter {it} | val loss random {record['val_loss_random']:.4f} "
-                f"(ppl {record['val_ppl_random']:.2f}) | l2r {record['val_loss_l2r']:.4f} "
-                f"(ppl {record['val_ppl_l2r']:.2f})")
+        for name in self.val_names:
+            loss = self._val_loss(name)
+            record[f"val_loss_{name}"] = loss
+            record[f"val_ppl_{name}"] = math.exp(min(loss, 700.0))
+            self.best_val_loss[name] = min(self.best_val_loss[name], loss)
+        line = f"eval iter {it} | val loss " + " | ".join(
+            f"{name} {record[f'val_loss_{name}']:.4f} (ppl {record[f'val_ppl_{name}']:.2f})" for name in self.val_names
+        )
         if self.canvas is not None:
             metrics = sample_validity(self.model, self.task, self.canvas, self.cfg.seed, self.device)
             record.update({f"sample_{k}": float(v) for k, v in metrics.items()})
@@ -309,6 +315,15 @@ class _Trainer:
         self.history.append(record)
         log.info(line)
         self.model.train()
+
+    def _val_loss(self, name: str) -> float:
+        """Validation loss ``name``: "random" or "l2r" order for a σ-GPT, "diffusion" for a diffusion model
+        (noise redrawn from the same seed at every evaluation)."""
+        if name == "diffusion":
+            g = _generator(self.cfg.seed, _VAL_STREAM, 1)
+            xs = [x for x, _ in self.val_batches]
+            return diffusion_training.estimate_val_loss(self.model, xs, g, self.autocast, self.device)
+        return estimate_val_loss(self.model, self.val_batches, name, self.task.bos, self.autocast, self.device)
 
     def _prepare_eval(self) -> None:
         self.val_batches = self.canvas = None
@@ -329,14 +344,12 @@ class _Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             index = self.layout.rank * self.accum + micro
-            tokens, in_pos, out_pos, targets = get_batch(
-                self.task, self.cfg, it, index, self.model_config.start_pos, self.device
-            )
+            batch = self._batch(it, index)
             last = micro == self.accum - 1
             sync = nullcontext() if last or not self.layout.distributed else self.net.no_sync()
             with sync:
                 with self.autocast:
-                    loss = self.net(tokens, in_pos, out_pos, targets)
+                    loss = self._loss(batch)
                 (loss / self.accum).backward()
             loss_sum += loss.detach().float()
         if self.cfg.grad_clip > 0:
@@ -344,6 +357,18 @@ class _Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / self.accum
+
+    def _batch(self, it: int, index: int) -> tuple:
+        if self.cfg.objective == "diffusion":  # same data stream; the noise is drawn after the rows
+            g = _generator(self.cfg.seed, _TRAIN_STREAM, it, index)
+            return diffusion_training.get_batch(self.model, self.task, self.cfg.batch_size, g, self.device)
+        return get_batch(self.task, self.cfg, it, index, self.model_config.start_pos, self.device)
+
+    def _loss(self, batch: tuple) -> torch.Tensor:
+        """Scalar loss of one micro-batch through ``self.net`` (compiled / DDP-wrapped)."""
+        if self.cfg.objective == "diffusion":
+            return diffusion_training.batch_loss(self.net, self.model, batch)
+        return self.net(*batch)
 
     def _log(self, it: int, loss: torch.Tensor, window_steps: int, window_start: float) -> None:
         loss_value = self.layout.mean(loss).item()
@@ -369,9 +394,10 @@ class _Trainer:
     def run(self) -> TrainResult:
         cfg = self.cfg
         self.n_params = self.model.num_params()
-        self._info("task %s (T=%d, V=%d) | %s: %.2fM params | order %s | %d tokens/step | %s%s",
+        self._info("task %s (T=%d, V=%d) | %s: %.2fM params | %s | %d tokens/step | %s%s",
                    self.task.name, self.task.seq_len, self.task.vocab_size, cfg.preset, self.n_params / 1e6,
-                   cfg.order, self.tokens_per_step, self.device,
+                   f"order {cfg.order}" if cfg.objective == "sigma" else f"diffusion ({cfg.diffusion_noise} noise)",
+                   self.tokens_per_step, self.device,
                    f" x{self.layout.world_size} ranks" if self.layout.distributed else "")
         self._prepare_eval()
         self.model.train()

@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .diffusion.model import OBJECTIVES, DiffusionConfig
+from .diffusion.noise import NOISES
 from .model import POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
 from .tasks import TASK_NAMES
@@ -89,7 +91,13 @@ class TrainConfig:
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: Optional[float] = _field(None, "AdamW beta2" + _PRESET)
     grad_clip: float = _field(1.0, "gradient norm clip (0 disables)")
-    order: Optional[str] = _field(None, "training order (default: the task recipe's, else random)", ORDER_NAMES)
+    objective: str = _field(
+        "sigma", "sigma: any-order σ-GPT; diffusion: the discrete-diffusion baseline (bidirectional)", OBJECTIVES
+    )
+    diffusion_noise: str = _field("uniform", "noise process of --objective diffusion (D3PM uniform or MDLM absorbing)",
+                                  NOISES)
+    order: Optional[str] = _field(
+        None, "training order of objective sigma (default: the task recipe's, else random)", ORDER_NAMES)
     curriculum_start: Optional[float] = _field(
         None, "curriculum: left-to-right fraction at step 0, falling linearly to 0 (default: 0.5)")
     eval_interval: Optional[int] = _field(None, "steps between evaluations" + _PRESET)
@@ -112,6 +120,11 @@ class TrainConfig:
         _check_choice("preset", self.preset, tuple(PRESETS))
         if self.order is not None:
             _check_choice("order", self.order, ORDER_NAMES)
+        _check_choice("objective", self.objective, OBJECTIVES)
+        _check_choice("diffusion_noise", self.diffusion_noise, NOISES)
+        if self.objective == "diffusion" and self.order not in (None, "random"):
+            raise ValueError(f"TrainConfig.order ({self.order!r}) applies to objective 'sigma' only; "
+                             "a diffusion model has no generation order")
         _check_choice("dtype", self.dtype, DTYPES)
         if self.pos_encoding is not None:
             _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
@@ -150,6 +163,10 @@ class TrainConfig:
         arch.update({k: v for k, v in self.recipe().items() if k in ARCH_FIELDS})
         arch.update({k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None})
         return arch
+
+    def diffusion_config(self) -> Optional[DiffusionConfig]:
+        """The noise process of objective "diffusion"; None for "sigma"."""
+        return DiffusionConfig(noise=self.diffusion_noise) if self.objective == "diffusion" else None
 
     def task_kwargs(self) -> dict:
         """Keyword arguments for ``get_task(self.task, **kwargs)``: the task fields that are set."""

@@ -1,0 +1,148 @@
+"""DiffusionGPT: the σ-GPT backbone run bidirectionally with a timestep embedding.
+
+The backbone is an unchanged :class:`~sigmafast.model.SigmaGPT` (same weights,
+same checkpoint layout under ``backbone.``). A token at position i gets the
+double positional encoding with in_pos = out_pos = i, plus an embedding of the
+diffusion time t shared by every token of the row, and the blocks run with
+full (non-causal) attention through :meth:`SigmaGPT.run_layers`. The head
+gives p_θ(x_0 | x_t) at every position; the MASK / BOS id is never predicted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..model import SigmaGPT, SigmaGPTConfig
+from .noise import NOISES
+
+OBJECTIVES = ("sigma", "diffusion")
+TIME_SCALE = 1000.0  # t ∈ [0, 1] is embedded as the "step" 1000 t, as in DDPM
+
+
+@dataclass
+class DiffusionConfig:
+    noise: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if self.noise not in NOISES:
+            raise ValueError(f"DiffusionConfig.noise must be one of {NOISES}, got {self.noise!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DiffusionConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown DiffusionConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(B,) times in [0, 1] -> (B, dim) sinusoidal features of TIME_SCALE * t (sin half, cos half)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    angle = TIME_SCALE * t.float()[:, None] * freqs  # (B, half)
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    """Sinusoidal features of t -> Linear -> GELU -> Linear, (B,) -> (B, C).
+
+    The output layer starts at zero, so at initialisation the model is the backbone.
+    """
+
+    def __init__(self, n_embd: int, bias: bool = True) -> None:
+        super().__init__()
+        self.n_embd = n_embd
+        self.fc = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        nn.init.normal_(self.fc.weight, mean=0.0, std=0.02)
+        nn.init.zeros_(self.proj.weight)
+        for layer in (self.fc, self.proj):
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        feats = timestep_features(t, self.n_embd).to(self.fc.weight.dtype)  # (B, C)
+        return self.proj(F.gelu(self.fc(feats)))
+
+
+class DiffusionGPT(nn.Module):
+    """x0-predictor p_θ(x_0 | x_t, t) on the σ-GPT backbone; see the module docstring."""
+
+    objective = "diffusion"
+
+    def __init__(self, config: SigmaGPTConfig, diffusion: DiffusionConfig) -> None:
+        super().__init__()
+        if not isinstance(diffusion, DiffusionConfig):
+            raise TypeError(f"diffusion must be a DiffusionConfig, got {type(diffusion).__name__}")
+        self.backbone = SigmaGPT(config)
+        self.diffusion_config = diffusion
+        self.time_embed = TimestepEmbedding(config.n_embd, config.bias)
+        never = torch.zeros(config.vocab_size, dtype=torch.bool)
+        never[config.bos_token_id] = True
+        self.register_buffer("never_predicted", never, persistent=False)  # (V,)
+
+    @property
+    def config(self) -> SigmaGPTConfig:
+        return self.backbone.config
+
+    @property
+    def noise(self) -> str:
+        return self.diffusion_config.noise
+
+    @property
+    def mask_id(self) -> int:
+        """The absorbing MASK id: the task's BOS id, which never occurs in data."""
+        return self.config.bos_token_id
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        return self.backbone.num_params(non_embedding) + sum(p.numel() for p in self.time_embed.parameters())
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Bidirectional attention, (B, H, T, D) -> (B, H, T, D)."""
+        dropout = self.config.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=False, dropout_p=dropout)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """(B, T) noised tokens and (B,) times in [0, 1] -> (B, T, V) logits of x_0."""
+        if not isinstance(x_t, torch.Tensor) or x_t.dtype not in (torch.int64, torch.int32) or x_t.dim() != 2:
+            raise TypeError(f"x_t must be a (B, T) integer tensor, got {getattr(x_t, 'dtype', type(x_t).__name__)}")
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != x_t.shape[:1]:
+            raise ValueError(f"t must be a float tensor of shape (B,) = ({x_t.shape[0]},), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        B, T = x_t.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=x_t.device).expand(B, T)
+        x = self.backbone.embed(x_t, pos, pos) + self.time_embed(t)[:, None, :]  # (B, T, C)
+        h = self.backbone.run_layers(x, self.attend)  # (B, T, C)
+        logits = self.backbone.lm_head(h)  # (B, T, V)
+        return logits.masked_fill(self.never_predicted, float("-inf"))
+
+
+def objective_of(model) -> str:
+    """The training objective of ``model``: "diffusion" for a :class:`DiffusionGPT`, else "sigma"."""
+    return getattr(model, "objective", "sigma")
+
+
+def make_model(config: SigmaGPTConfig, objective: str = "sigma",
+               diffusion: Optional[DiffusionConfig] = None) -> nn.Module:
+    """A fresh SigmaGPT (``objective="sigma"``) or DiffusionGPT (needs ``diffusion``)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective == "sigma":
+        if diffusion is not None:
+            raise ValueError("a DiffusionConfig was given for objective 'sigma'")
+        return SigmaGPT(config)
+    if diffusion is None:
+        raise ValueError("objective 'diffusion' needs a DiffusionConfig")
+    return DiffusionGPT(config, diffusion)

@@ -1,0 +1,41 @@
+"""What the trainer (:mod:`sigmafast.train`) runs for ``objective="diffusion"``: the noised batch and
+loss of one micro-step, and the validation loss."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .model import DiffusionGPT
+from .noise import DiffusionBatch, diffusion_loss, noisy_batch
+
+
+def make_batch(model: DiffusionGPT, x0: torch.Tensor, generator: Optional[torch.Generator]) -> DiffusionBatch:
+    """x0 (B, T) noised with ``model``'s process; times and noise drawn from ``generator``."""
+    return noisy_batch(x0, model.noise, model.config.vocab_size, model.mask_id, generator)
+
+
+def get_batch(model: DiffusionGPT, task, batch_size: int, generator: torch.Generator, device) -> DiffusionBatch:
+    """A training batch: ``batch_size`` train rows of ``task``, then their noise, drawn from ``generator``."""
+    x0 = task.sample_batch(batch_size, "train", generator)  # (B, T)
+    return make_batch(model, x0, generator).to(device)
+
+
+def batch_loss(net, model: DiffusionGPT, batch: DiffusionBatch) -> torch.Tensor:
+    """Scalar loss of one batch through ``net`` (the model, or its compiled / DDP wrapper)."""
+    return diffusion_loss(net(batch.x_t, batch.t), batch, model.noise, model.mask_id)
+
+
+@torch.no_grad()
+def estimate_val_loss(model: DiffusionGPT, xs, generator: torch.Generator, autocast, device) -> float:
+    """Mean loss over the clean batches ``xs``, noised from ``generator`` (seed it identically at every
+    evaluation to score the same noised batches): the NELBO in nats/token for absorbing noise,
+    the x0 cross-entropy for uniform noise."""
+    total = torch.zeros((), device=device)
+    for x in xs:
+        batch = make_batch(model, x, generator).to(device)
+        with autocast:
+            loss = batch_loss(model, model, batch)
+        total += loss.float()
+    return (total / len(xs)).item()

@@ -1,0 +1,311 @@
+"""The discrete-diffusion baseline: noise laws, sampler, trainer integration and checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sigmafast
+from sigmafast import SigmaGPTConfig, diffusion
+from sigmafast.checkpoint import atomic_save, read_checkpoint
+from sigmafast.diffusion import DiffusionConfig, DiffusionGPT
+from sigmafast.diffusion.noise import (
+    NOISES, T_MIN, DiffusionBatch, corrupt, diffusion_loss, marginal, noisy_batch, uniform_posterior, uniform_tokens,
+)
+from sigmafast.train import TrainConfig, load_checkpoint, train
+from helpers import chi2_pvalue, tiny_model
+
+P_MIN = 1e-4  # a correct law passes every seeded chi-square test at this level
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_diffusion(noise: str, vocab_size: int = 5, block_size: int = 8, seed: int = 0) -> DiffusionGPT:
+    """A random 2-layer DiffusionGPT whose weights are scaled up, so its x0 laws are far from uniform."""
+    torch.manual_seed(seed)
+    config = SigmaGPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32)
+    model = DiffusionGPT(config, DiffusionConfig(noise=noise))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model.double().eval()
+
+
+class ProductOracle(DiffusionGPT):
+    """The exact p(x_0 | x_t) of iid Bernoulli(p_one) tokens over {0, 1} (MASK / BOS = 2)."""
+
+    def __init__(self, noise: str, seq_len: int, p_one: float) -> None:
+        config = SigmaGPTConfig(vocab_size=3, block_size=seq_len, n_layer=1, n_head=1, n_embd=2)
+        super().__init__(config, DiffusionConfig(noise=noise))
+        self.prior = torch.tensor([1 - p_one, p_one, 0.0], dtype=torch.float64)
+
+    def forward(self, x_t, t):
+        at_x_t = torch.nn.functional.one_hot(x_t, 3).double()  # (B, T, V)
+        if self.noise == "absorbing":
+            masked = (x_t == self.mask_id)[..., None]
+            probs = torch.where(masked, self.prior, at_x_t)
+        else:  # Bayes: p(x_0 = v | x_t) ∝ p(v) q(x_t | x_0 = v)
+            a = (1 - t.double())[:, None, None]
+            probs = self.prior * (a * at_x_t + (1 - a) / 2)
+        return probs.log()
+
+
+# --- forward process ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("noise", NOISES)
+@pytest.mark.parametrize("mask_id", [4, 1])
+def test_forward_marginals_match_closed_form(noise, mask_id):
+    """Empirical q(x_t | x_0) over 4000 draws per (t, x_0) against the closed form (chi-square)."""
+    V, N = 5, 4000
+    data = [v for v in range(V) if v != mask_id]
+    x0 = torch.tensor(data).repeat(N, 1)  # (N, 4): every data id, N times
+    g = torch.Generator().manual_seed(1)
+    for t_value in (0.05, 0.5, 0.9, 1.0):
+        t = torch.full((N,), t_value)
+        u_keep, u_token = torch.rand(N, len(data), generator=g), torch.rand(N, len(data), generator=g)
+        x_t = corrupt(x0, t, noise, V, mask_id, u_keep, u_token)
+        law = marginal(x0[:1], t[:1], noise, V, mask_id)[0]  # (4, V)
+        assert torch.allclose(law.sum(-1), torch.ones(len(data), dtype=law.dtype))
+        for i in range(len(data)):
+            counts = torch.bincount(x_t[:, i], minlength=V)
+            if (law[i] > 0).sum() == 1:  # a point mass (absorbing at t = 1): every draw on it
+                assert counts[law[i] == 0].sum() == 0, (noise, t_value, data[i], counts)
+            else:
+                assert chi2_pvalue(counts, law[i]) > P_MIN, (noise, t_value, data[i], counts, law[i])
+            if t_value <= 0.5:  # power: the law of another time is rejected
+                wrong = marginal(x0[:1], t[:1] + 0.2, noise, V, mask_id)[0, i]
+                assert chi2_pvalue(counts, wrong) < 1e-6
+
+
+@pytest.mark.parametrize("noise", NOISES)
+def test_noisy_batch_times_are_stratified(noise):
+    x0 = torch.zeros(64, 10, dtype=torch.long)
+    batch = noisy_batch(x0, noise, 3, 2, torch.Generator().manual_seed(0))
+    assert batch.t.min() >= T_MIN and batch.t.max() <= 1.0
+    strata = ((batch.t - T_MIN) / (1 - T_MIN) * 64).floor().long()
+    assert sorted(strata.tolist()) == list(range(64)), "one time per 1/B stratum"
+
+
+def test_uniform_posterior_matches_bayes():
+    """p(x_s | x_t) = Σ_{x_0} q(x_s | x_t, x_0) p0(x_0), by explicit transition matrices."""
+    V, mask_id, K = 6, 2, 5
+    g = torch.Generator().manual_seed(0)
+    data = torch.ones(V, dtype=torch.bool)
+    data[mask_id] = False
+    p0 = torch.rand(3, 4, V, generator=g, dtype=torch.float64) * data
+    p0 /= p0.sum(-1, keepdim=True)
+    x_t = torch.tensor([[0, 1, 3, 5], [4, 4, 0, 1], [5, 3, 1, 0]])
+    alpha_t = torch.tensor([0.0, 0.3, 0.7], dtype=torch.float64)
+    alpha_s = torch.tensor([0.25, 0.5, 0.95], dtype=torch.float64)
+    got = uniform_posterior(p0, x_t, alpha_t, alpha_s, mask_id)
+
+    def transition(a):  # (V, V) rows x_from -> x_to, uniform over the data ids
+        return (a * torch.eye(V, dtype=torch.float64) + (1 - a) / K * data.double()) * data.double()[:, None]
+
+    for b in range(3):
+        q_s0, q_ts = transition(alpha_s[b]), transition(alpha_t[b] / alpha_s[b])  # q(x_s|x_0), q(x_t|x_s)
+        for i in range(4):
+            joint = q_s0 * q_ts[:, x_t[b, i]][None, :]  # (x_0, x_s): q(x_s | x_0) q(x_t | x_s)
+            post = joint / joint.sum(1, keepdim=True).clamp_min(1e-300)  # q(x_s | x_t, x_0)
+            want = (p0[b, i][:, None] * post).sum(0)
+            assert torch.allclose(got[b, i], want, atol=1e-12), (b, i)
+
+
+def test_absorbing_loss_of_the_true_law_is_its_entropy():
+    """MDLM's NELBO per token is exact (= the entropy) for iid data and the true conditionals."""
+    p_one, T, B = 0.1, 20, 4096
+    oracle = ProductOracle("absorbing", T, p_one)
+    g = torch.Generator().manual_seed(0)
+    x0 = (torch.rand(B, T, generator=g) < p_one).long()
+    losses = []
+    for i in range(B // 256):  # per-batch losses: independent, each stratified over t
+        batch = noisy_batch(x0[256 * i: 256 * (i + 1)], "absorbing", 3, 2, g)
+        losses.append(diffusion_loss(oracle(batch.x_t, batch.t), batch, "absorbing", 2))
+    losses = torch.stack(losses).double()
+    entropy = -(p_one * math.log(p_one) + (1 - p_one) * math.log(1 - p_one))
+    se = losses.std() / math.sqrt(len(losses))
+    assert abs(losses.mean() - entropy) < 4 * se, (losses.mean(), entropy, se)
+    clean = DiffusionBatch(x0[:4], x0[:4], torch.ones(4))
+    assert diffusion_loss(torch.zeros(4, T, 3), clean, "absorbing", 2) == 0, "unmasked tokens cost nothing"
+
+
+# --- sampler ----------------------------------------------------------------------------------------
+
+
+def test_sampler_rejects_bad_arguments():
+    model = tiny_diffusion("absorbing")
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="DiffusionGPT"):
+        diffusion.generate(tiny_model(), idx, 4)
+    with pytest.raises(TypeError, match="sigmafast.diffusion.generate"):
+        sigmafast.generate(model, idx, 4)
+    with pytest.raises(ValueError, match="max_new_tokens is required"):
+        diffusion.generate(model, idx)
+    for steps in (0, 8):
+        with pytest.raises(ValueError, match="steps must be in 1..T = 1..7"):
+            diffusion.generate(model, idx, 4, steps=steps)
+    with pytest.raises(TypeError, match="steps must be an int"):
+        diffusion.generate(model, idx, 4, steps=2.0)
+    with pytest.raises(ValueError, match="MASK / BOS id 4"):
+        diffusion.generate(model, torch.full((2, 3), 4), 4)
+    with pytest.raises(ValueError, match="temperature"):
+        diffusion.generate(model, idx, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="exceeds the model's block_size"):
+        diffusion.generate(model, idx, 6)
+    with pytest.raises(TypeError, match="generator"):
+        diffusion.generate(model, idx, 4, generator=0)
+
+
+@pytest.mark.parametrize("noise", NOISES)
+@pytest.mark.parametrize("steps", [1, 3, 8])
+def test_infilling_keeps_known_tokens_and_counts_steps(noise, steps):
+    model = tiny_diffusion(noise)
+    g = torch.Generator().manual_seed(steps)
+    canvas = torch.randint(0, 4, (6, 8), generator=g)
+    known = torch.rand(6, 8, generator=g) < 0.4
+    known[0] = False
+    out, stats = diffusion.generate(model, canvas, known=known, steps=steps, generator=g, return_stats=True)
+    assert out.shape == (6, 8) and torch.equal(out[known], canvas[known])
+    assert ((out >= 0) & (out < 4)).all(), "never the MASK id"
+    assert stats.forward_calls == steps and stats.iterations.tolist() == [steps] * 6
+    assert stats.accepted.shape == (6, steps) and stats.burst_lengths is None
+    if noise == "absorbing":  # every unknown position is unmasked exactly once
+        assert stats.accepted.sum(1).tolist() == (~known).sum(1).tolist()
+
+
+@pytest.mark.parametrize("noise", NOISES)
+def test_prompt_mode_reproducibility_and_greedy(noise):
+    model = tiny_diffusion(noise)
+    prompt = torch.tensor([[0, 1], [3, 3]])
+    outs = [diffusion.generate(model, prompt, 5, steps=4, generator=torch.Generator().manual_seed(7))
+            for _ in range(2)]
+    assert outs[0].shape == (2, 7) and torch.equal(outs[0][:, :2], prompt)
+    assert torch.equal(outs[0], outs[1])
+    other = diffusion.generate(model, prompt, 5, steps=4, generator=torch.Generator().manual_seed(8))
+    assert not torch.equal(outs[0], other)
+
+
+@pytest.mark.parametrize("noise", NOISES)
+def test_greedy_single_step_returns_the_x0_argmax(noise):
+    """With S = 1 the step goes from t = 1 to 0: x_0 is the argmax of p(x_0 | x_1) at temperature 0."""
+    model = tiny_diffusion(noise)
+    prompt = torch.tensor([[0, 1], [3, 3]])
+    out = diffusion.generate(model, prompt, 5, steps=1, temperature=0.0, generator=torch.Generator().manual_seed(3))
+    x1 = torch.cat([prompt, torch.full((2, 5), 4)], 1)  # absorbing: all masked
+    if noise == "uniform":  # x_1 is drawn first, from u_init (float64, over all positions)
+        u_init = torch.rand(2, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        x1[:, 2:] = uniform_tokens(u_init, 5, 4)[:, 2:]
+    with torch.no_grad():
+        logits = model(x1, torch.ones(2, dtype=torch.float64))
+    assert torch.equal(out[:, 2:], logits.argmax(-1)[:, 2:])
+
+
+def test_nothing_to_sample_makes_no_model_call():
+    model = tiny_diffusion("uniform")
+    canvas = torch.randint(0, 4, (2, 5))
+    out, stats = diffusion.generate(model, canvas, known=torch.ones(2, 5, dtype=torch.bool), return_stats=True)
+    assert torch.equal(out, canvas) and stats.forward_calls == 0 and stats.accepted.shape == (2, 0)
+
+
+@pytest.mark.parametrize("noise", NOISES)
+@pytest.mark.parametrize("steps", [1, 3, 12])
+def test_sampler_with_the_exact_x0_law_samples_the_product_law(noise, steps):
+    """With the true p(x_0 | x_t) the reverse process is exact: the number of ones per row of 4000
+    rows follows Binomial(T, p) (chi-square), whatever the number of steps."""
+    p_one, T, N = 0.3, 12, 4000
+    oracle = ProductOracle(noise, T, p_one)
+    out = diffusion.generate(oracle, torch.zeros(N, 0, dtype=torch.long), T, steps=steps,
+                             generator=torch.Generator().manual_seed(steps))
+    assert ((out == 0) | (out == 1)).all()
+    ones = (out == 1).sum(1)
+    k = torch.arange(T + 1, dtype=torch.float64)
+    binomial = torch.exp(torch.lgamma(torch.tensor(T + 1.0)) - torch.lgamma(k + 1) - torch.lgamma(T - k + 1)
+                         + k * math.log(p_one) + (T - k) * math.log(1 - p_one))
+    assert chi2_pvalue(torch.bincount(ones, minlength=T + 1), binomial) > P_MIN
+    position_rate = (out == 1).double().mean(0)  # every position is Bernoulli(p)
+    assert ((position_rate - p_one).abs() < 4 * math.sqrt(p_one * (1 - p_one) / N)).all()
+
+
+# --- trainer, checkpoints ---------------------------------------------------------------------------
+
+
+def diffusion_cfg(tmp_path, **kw) -> TrainConfig:
+    base = dict(task="product", seq_len=12, preset="tiny", objective="diffusion", batch_size=8, max_iters=4,
+                warmup_iters=1, eval_interval=2, eval_iters=2, log_interval=1, num_eval_samples=4,
+                out_dir=str(tmp_path))
+    return TrainConfig(**{**base, **kw})
+
+
+def test_train_config_objective_fields():
+    with pytest.raises(ValueError, match="objective"):
+        TrainConfig(objective="ddpm")
+    with pytest.raises(ValueError, match="diffusion_noise"):
+        TrainConfig(objective="diffusion", diffusion_noise="gaussian")
+    with pytest.raises(ValueError, match="applies to objective 'sigma' only"):
+        TrainConfig(objective="diffusion", order="left-to-right")
+    assert TrainConfig().diffusion_config() is None
+    assert TrainConfig(objective="diffusion", diffusion_noise="absorbing").diffusion_config().noise == "absorbing"
+
+
+@pytest.mark.parametrize("noise", NOISES)
+def test_checkpoint_round_trip_and_wrong_objective(tmp_path, noise):
+    result = train(diffusion_cfg(tmp_path, diffusion_noise=noise))
+    assert [h["iter"] for h in result.history] == [0, 2, 4]
+    assert {"val_loss_diffusion", "sample_ones_rate"} <= set(result.history[-1])
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["objective"] == "diffusion" and ckpt["diffusion_config"] == {"noise": noise}
+    assert set(ckpt["best_val_loss"]) == {"diffusion"}
+    model, task, cfg = load_checkpoint(tmp_path / "ckpt.pt")
+    assert isinstance(model, DiffusionGPT) and model.noise == noise and not model.training
+    assert cfg.objective == "diffusion" and task.name == "product"
+    for (name, p), q in zip(model.state_dict().items(), result.model.state_dict().values()):
+        assert torch.equal(p, q), name
+    with pytest.raises(TypeError, match="sigmafast.diffusion.generate"):
+        sigmafast.generate(model, torch.zeros(1, 0, dtype=torch.long), 12)
+    with pytest.raises(ValueError, match="objective: checkpoint 'diffusion'"):
+        train(diffusion_cfg(tmp_path, objective="sigma", resume=True))
+    resumed = train(diffusion_cfg(tmp_path, diffusion_noise=noise, max_iters=6, resume=True))
+    assert [h["iter"] for h in resumed.history] == [0, 2, 4, 6]
+
+
+def test_checkpoint_without_objective_loads_as_sigma(tmp_path):
+    train(diffusion_cfg(tmp_path, objective="sigma", max_iters=2, num_eval_samples=0))
+    path = tmp_path / "ckpt.pt"
+    ckpt = read_checkpoint(path)
+    assert ckpt["objective"] == "sigma" and ckpt["diffusion_config"] is None
+    for key in ("objective", "diffusion_config"):
+        del ckpt[key]
+    del ckpt["train_config"]["objective"], ckpt["train_config"]["diffusion_noise"]
+    atomic_save(ckpt, path)
+    model, _, cfg = load_checkpoint(path)
+    assert isinstance(model, sigmafast.SigmaGPT) and cfg.objective == "sigma"
+    with pytest.raises(TypeError, match="needs a DiffusionGPT"):
+        diffusion.generate(model, torch.zeros(1, 0, dtype=torch.long), 12)
+    with pytest.raises(ValueError, match="objective: checkpoint 'sigma'"):
+        train(diffusion_cfg(tmp_path, resume=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("noise", NOISES)
+def test_trained_model_reproduces_the_product_ones_rate(tmp_path, noise):
+    """A tiny model trained by ``train(objective="diffusion")`` on product (p = 0.1) samples 1000 rows
+    whose ones-rate lies in the 99.9% confidence interval around 0.1 (rows are independent draws)."""
+    cfg = diffusion_cfg(tmp_path, seq_len=20, diffusion_noise=noise, batch_size=64, max_iters=400, warmup_iters=40,
+                        min_lr=3e-5, eval_interval=400, log_interval=100, num_eval_samples=0)
+    model = train(cfg).model
+    N, T = 1000, 20
+    out = diffusion.generate(model, torch.zeros(N, 0, dtype=torch.long), T, steps=T,
+                             generator=torch.Generator().manual_seed(0))
+    rates = (out == 1).double().mean(1)  # (N,) per-row ones-rate
+    half_width = 3.29 * rates.std() / math.sqrt(N)
+    assert abs(rates.mean() - 0.1) < half_width, (rates.mean(), half_width)
