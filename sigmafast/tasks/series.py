@@ -138,6 +138,7 @@ class SeriesTask(Task):
                 or not 0 <= range_quantile < 0.5:
             raise ValueError(f"range_quantile must be a number in [0, 0.5), got {range_quantile!r}")
         self.path, self.column = Path(csv), column
+        self.unit = f"{column} units"
         self.seq_len, self.val_fraction, self.range_quantile = seq_len, float(val_fraction), float(range_quantile)
         if value_range is None:
             train = self._splits["train"]

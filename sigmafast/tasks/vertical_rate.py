@@ -144,6 +144,7 @@ class VerticalRateTask(SyntheticTask):
     """Climb and descent altitude profiles conditioned on the aircraft type (see the module docstring)."""
 
     name = "vertical_rate"
+    unit = "ft"
 
     def __init__(
         self,
