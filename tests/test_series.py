@@ -133,7 +133,7 @@ def test_vertical_rate_decode(vr):
     name, *altitudes = text.removesuffix(" ft").split()
     assert name.rstrip(":") in {a.name for a in AIRCRAFT}
     assert [int(a) for a in altitudes] == (x[1:] * vr.bin_ft).tolist()
-    assert vr.decode([vr.bos, 3]) == "<bos> 300 ft"
+    assert vr.decode([vr.bos, 3, vr.type_offset + 3, vr.bos + 1]) == "<bos> 300 piston: ? ft"
 
 
 @pytest.mark.parametrize("kwargs,match", [

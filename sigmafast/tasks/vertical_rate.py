@@ -272,15 +272,14 @@ class VerticalRateTask(SyntheticTask):
         return {"within_limits": within.double().mean().item(), "valid": (within & on_level).double().mean().item()}
 
     def decode(self, tokens) -> str:
-        """``type: altitudes ft``; ``?`` for an id out of place (BOS is ``<bos>``)."""
-        t = _token_list(tokens)
+        """Aircraft types as ``name:``, altitudes in ft, ``<bos>``, ``?`` for other ids; then `` ft``."""
         n_alt = self.type_offset
 
-        def show(i: int, v: int) -> str:
-            if v == self.bos:
-                return "<bos>"
-            if i == 0:
-                return AIRCRAFT[v - n_alt].name + ":" if n_alt <= v < n_alt + len(AIRCRAFT) else "?:"
-            return str(v * self.bin_ft) if 0 <= v < n_alt else "?"
+        def show(v: int) -> str:
+            if 0 <= v < n_alt:
+                return str(v * self.bin_ft)
+            if n_alt <= v < n_alt + len(AIRCRAFT):
+                return AIRCRAFT[v - n_alt].name + ":"
+            return "<bos>" if v == self.bos else "?"
 
-        return " ".join(show(i, v) for i, v in enumerate(t)) + " ft"
+        return " ".join(show(v) for v in _token_list(tokens)) + " ft"
