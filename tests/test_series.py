@@ -310,17 +310,17 @@ def test_evaluate_prompted_needs_a_value_task():
         evaluate_prompted(task.oracle(), task)
 
 
-def _eval_script():
+def _eval_script(monkeypatch):
     spec = importlib.util.spec_from_file_location("eval_series_script", REPO / "scripts" / "eval_series.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through sys.modules
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass resolves annotations there
     spec.loader.exec_module(module)
     return module
 
 
-def test_eval_series_script(series_ckpt, capsys):
+def test_eval_series_script(series_ckpt, capsys, monkeypatch):
     path, _ = series_ckpt
-    script = _eval_script()
+    script = _eval_script(monkeypatch)
     argv = ["--checkpoint", str(path), "--num-sequences", "2", "--samples-per-sequence", "2"]
     assert script.main(argv) == 0
     out = capsys.readouterr().out
