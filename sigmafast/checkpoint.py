@@ -60,9 +60,12 @@ def read_checkpoint(path) -> dict:
 
 def task_record(task, kwargs: dict) -> dict:
     """What identifies a task in a checkpoint: its name, its arguments (file paths made absolute, so
-    that :func:`load_checkpoint` works from any directory) and its shape."""
-    paths = {k: str(Path(v).resolve()) for k, v in kwargs.items() if k in ("text", "data_dir")}
-    return {"name": task.name, "kwargs": {**kwargs, **paths}, "seq_len": task.seq_len, "vocab_size": task.vocab_size}
+    that :func:`load_checkpoint` works from any directory, plus what the task learned from its data,
+    ``task.checkpoint_kwargs()``) and its shape."""
+    paths = {k: str(Path(v).resolve()) for k, v in kwargs.items() if k in ("text", "data_dir", "csv")}
+    learned = task.checkpoint_kwargs()
+    return {"name": task.name, "kwargs": {**kwargs, **paths, **learned}, "seq_len": task.seq_len,
+            "vocab_size": task.vocab_size}
 
 
 def stored_objective(ckpt: dict) -> tuple[str, Optional[DiffusionConfig]]:

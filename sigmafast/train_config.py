@@ -79,6 +79,8 @@ class TrainConfig:
     seq_len: Optional[int] = _field(None, "sequence length of the 1-D and text tasks (default: the task's)")
     text: Optional[str] = _field(None, "UTF-8 text file, required by --task char (default: none)")
     data_dir: Optional[str] = _field(None, "train.bin / val.bin folder for owt, wikitext103 (default: data/<task>)")
+    csv: Optional[str] = _field(None, "CSV file with a header row, required by --task series (default: none)")
+    column: Optional[str] = _field(None, "numeric column of --csv, required by --task series (default: none)")
     out_dir: str = _field("out", "where ckpt.pt is written")
     max_iters: Optional[int] = _field(None, "optimiser steps" + _PRESET)
     batch_size: Optional[int] = _field(None, "sequences per micro-step and rank" + _PRESET)
@@ -170,7 +172,7 @@ class TrainConfig:
 
     def task_kwargs(self) -> dict:
         """Keyword arguments for ``get_task(self.task, **kwargs)``: the task fields that are set."""
-        return {k: getattr(self, k) for k in ("seq_len", "text", "data_dir") if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in ("seq_len", "text", "data_dir", "csv", "column") if getattr(self, k) is not None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

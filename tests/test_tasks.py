@@ -33,7 +33,8 @@ def maze_rows(tasks):
 
 
 def test_registry_names():
-    assert TASK_NAMES == ("product", "step", "permutation", "random_walk", "maze", "char", "owt", "wikitext103")
+    assert TASK_NAMES == ("product", "step", "permutation", "random_walk", "maze", "vertical_rate", "series", "char",
+                          "owt", "wikitext103")
 
 
 def test_text_tasks_are_imported_lazily():

@@ -11,7 +11,9 @@ from typing import Callable
 
 from .base import Task
 from .maze import MazeTask
+from .series import SeriesTask
 from .synthetic import PermutationTask, ProductTask, RandomWalkTask, StepTask
+from .vertical_rate import VerticalRateTask
 
 
 def _char():
@@ -36,6 +38,8 @@ _REGISTRY: dict[str, Callable[[], tuple[type, dict]]] = {
     "permutation": lambda: (PermutationTask, {}),
     "random_walk": lambda: (RandomWalkTask, {}),
     "maze": lambda: (MazeTask, {}),
+    "vertical_rate": lambda: (VerticalRateTask, {}),
+    "series": lambda: (SeriesTask, {}),
     "char": _char,
     "owt": _token_file("owt"),
     "wikitext103": _token_file("wikitext103"),
@@ -45,7 +49,7 @@ TASK_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def get_task(name: str, /, **kwargs) -> Task:
-    """The task called ``name`` built with ``kwargs`` (e.g. ``seq_len=``, ``text=``, ``data_dir=``)."""
+    """The task called ``name`` built with ``kwargs`` (e.g. ``seq_len=``, ``text=``, ``data_dir=``, ``csv=``)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASK_NAMES)}")
     cls, fixed = _REGISTRY[name]()

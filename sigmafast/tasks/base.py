@@ -38,6 +38,11 @@ class Task:
         """An exact conditional "model" usable by ``sigmafast.generate``."""
         raise NotImplementedError(f"task {self.name!r} has no exact oracle")
 
+    def checkpoint_kwargs(self) -> dict:
+        """Arguments learned from the data (e.g. quantisation bins) that a checkpoint stores so that
+        ``get_task(name, **kwargs, **checkpoint_kwargs())`` rebuilds this exact task; none by default."""
+        return {}
+
     def decode(self, tokens) -> str:
         """Human-readable rendering of one sequence."""
         return " ".join(str(int(t)) for t in tokens)
