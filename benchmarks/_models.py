@@ -94,8 +94,11 @@ class BenchModel:
 
 
 def _key(kwargs: dict, text: Optional[Path]) -> str:
+    from sigmafast.train_config import TASK_RECIPES
+
     record = {k: v for k, v in kwargs.items() if k not in ("out_dir", "device")}
     record["_format"] = CACHE_FORMAT
+    record["_recipe"] = TASK_RECIPES.get(kwargs["task"], {})  # fills the fields the spec leaves unset
     if text is not None:
         record["_text_size"] = text.stat().st_size
     return hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
