@@ -28,10 +28,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def tiny_diffusion(noise: str, vocab_size: int = 5, block_size: int = 8, seed: int = 0) -> DiffusionGPT:
+def tiny_diffusion(noise: str, vocab_size: int = 5, block_size: int = 8, seed: int = 0,
+                   pos_encoding: str = "sinusoidal") -> DiffusionGPT:
     """A random 2-layer DiffusionGPT whose weights are scaled up, so its x0 laws are far from uniform."""
     torch.manual_seed(seed)
-    config = SigmaGPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32)
+    config = SigmaGPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32,
+                            pos_encoding=pos_encoding)
     model = DiffusionGPT(config, DiffusionConfig(noise=noise))
     with torch.no_grad():
         for p in model.parameters():
@@ -140,6 +142,20 @@ def test_absorbing_loss_of_the_true_law_is_its_entropy():
 
 
 # --- sampler ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "rope"])
+def test_the_backbone_sees_positions(pos_encoding):
+    """Swapping two tokens changes the x0 law at a third position: attention without any position
+    information would be a set function there (the rotary encoding must reach the backbone)."""
+    model = tiny_diffusion("absorbing", pos_encoding=pos_encoding)
+    x = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    swapped = x.clone()
+    swapped[0, [0, 5]] = x[0, [5, 0]]
+    t = torch.full((1,), 0.5, dtype=torch.float64)
+    with torch.no_grad():
+        a, b = model(x, t)[0, 2], model(swapped, t)[0, 2]
+    assert not torch.allclose(a, b)
 
 
 def test_sampler_rejects_bad_arguments():

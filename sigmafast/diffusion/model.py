@@ -124,7 +124,7 @@ class DiffusionGPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=x_t.device).expand(B, T)
         x = self.backbone.embed(x_t, pos, pos) + self.time_embed(t)[:, None, :]  # (B, T, C)
-        h = self.backbone.run_layers(x, self.attend)  # (B, T, C)
+        h = self.backbone.run_layers(x, self.attend, self.backbone.rotary(pos, pos))  # (B, T, C)
         logits = self.backbone.lm_head(h)  # (B, T, V)
         return logits.masked_fill(self.never_predicted, float("-inf"))
 
