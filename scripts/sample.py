@@ -43,8 +43,9 @@ class SampleArgs:
     max_new_tokens: Optional[int] = field(default=None, metadata={"help": "new tokens (task length - prompt)"})
     strategy: str = field(default="burst", metadata={"choices": STRATEGIES, "help": "sampling strategy"})
     order: str = field(default="random", metadata={"choices": AR_ORDERS, "help": "autoregressive order"})
-    num_orders: Optional[int] = field(default=None, metadata={"help": "orders per burst (5 paper, 1 lossless)"})
-    acceptance: str = field(default="paper", metadata={"choices": ACCEPTANCE_RULES, "help": "burst rule"})
+    num_orders: Optional[int] = field(default=None, metadata={"help": "orders per burst (1 lossless, 5 paper)"})
+    acceptance: str = field(default="lossless", metadata={"choices": ACCEPTANCE_RULES,
+                                                          "help": "burst rule: lossless (exact) or paper (opt-in)"})
     temperature: float = field(default=1.0, metadata={"help": "0 is greedy"})
     top_k: Optional[int] = field(default=None, metadata={"help": "keep the k most likely tokens"})
     seed: int = field(default=0, metadata={"help": "seed of the sampling generator"})

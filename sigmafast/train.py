@@ -31,6 +31,7 @@ from .checkpoint import (
     rng_state, set_rng_state, task_record,
 )
 from .distributed import Layout, init_layout
+from .memory import GIB, check_training_memory
 from .model import SigmaGPT, SigmaGPTConfig
 from .train_config import TrainConfig, resolve
 
@@ -162,17 +163,22 @@ def sample_validity(model: SigmaGPT, task, canvas: torch.Tensor, seed: int, devi
 
 
 class _StopRequest:
-    """SIGINT/SIGTERM handlers that ask the loop to checkpoint and stop; restored on exit."""
+    """SIGINT/SIGTERM handlers, restored on exit: the first signal (logged once) asks the loop to
+    checkpoint and stop; a second SIGINT or SIGTERM exits at once (KeyboardInterrupt / SystemExit)."""
 
     def __init__(self) -> None:
         self.requested = False
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.requested:
+            log.warning("second signal (%s): exiting now, without a checkpoint", name)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
         self.requested = True
-        log.warning("%s received: saving a checkpoint and stopping", signal.Signals(signum).name)
+        log.warning("%s received: saving a checkpoint and stopping (send it again to exit at once)", name)
 
     def __enter__(self) -> "_StopRequest":
         if threading.current_thread() is threading.main_thread():
@@ -183,6 +189,14 @@ class _StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def check_memory(cfg: TrainConfig, model_config: SigmaGPTConfig, seq_len: int, device: torch.device) -> int:
+    """The estimated training peak in bytes (:func:`sigmafast.memory.training_peak_bytes`, bf16
+    activations under autocast); a ``ValueError`` naming the flags that reduce it when it exceeds the
+    memory available on ``device``."""
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    return check_training_memory(model_config, cfg.batch_size, seq_len, device, activation_bytes=2 if bf16 else 4)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -207,6 +221,8 @@ class _Trainer:
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
         self.task_info = task_record(self.task, task_kwargs)
         self.model_config = build_model_config(cfg, self.task)
+        estimate = check_memory(cfg, self.model_config, self.task.seq_len, self.device)
+        self._info("estimated peak memory %.2f GiB per process", estimate / GIB)
         self.path = checkpoint_path(cfg.out_dir)
         if layout.is_main:  # fail now, not at the first checkpoint after minutes of training
             try:

@@ -258,7 +258,8 @@ SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "non
 def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, strategy, acceptance, num_orders,
                                                            buckets):
     """Host reads of tensor values (syncs on a GPU) in the loop: one per burst iteration (the remaining
-    count, plus the final one that ends the loop), one in total for autoregressive sampling."""
+    count and the non-finite flag, plus the final one that ends the loop); for autoregressive sampling,
+    one before the loop (the step count) and one after it (the non-finite flag), none per token."""
     from sigmafast import sampler
     from sigmafast.request import prepare
 
@@ -282,6 +283,6 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
     with torch.no_grad():
         accepted, _, _ = run(runner, session, req, canvas, known_now, None)
     monkeypatch.undo()
-    expected = 1 if strategy == "autoregressive" else len(accepted) + 1
+    expected = 2 if strategy == "autoregressive" else len(accepted) + 1
     assert len(reads) == expected, reads
     assert known_now.all()
