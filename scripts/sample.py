@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 import sigmafast
+from sigmafast.checkpoint import check_device
 from sigmafast.request import ACCEPTANCE_RULES, AR_ORDERS, STRATEGIES
 
 UNKNOWN = "_"
@@ -60,6 +61,11 @@ class SampleArgs:
             self.num_orders = 1 if self.acceptance == "lossless" else 5
         if self.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
+        if self.length is not None and self.infill is None:
+            raise ValueError("--length is the canvas length of --infill: pass --infill, or --max-new-tokens instead")
+        if self.length is not None and self.length < 1:
+            raise ValueError(f"--length must be >= 1, got {self.length}")
+        check_device(self.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +165,7 @@ def run(args: SampleArgs) -> int:
     B, T = args.num_samples, task.seq_len
     kwargs: dict = {}
     if args.infill is not None:
-        tokens, known = parse_template(args.infill, task, args.length or T)
+        tokens, known = parse_template(args.infill, task, T if args.length is None else args.length)
         idx = tokens.expand(B, -1).to(args.device)
         kwargs["known"] = known.expand(B, -1).to(args.device)
     else:

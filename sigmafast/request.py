@@ -69,6 +69,12 @@ def build_stats(accepted: list, lengths: Optional[list], batch_size: int, device
     return SampleStats((acc > 0).sum(1), forward_calls, acc, lens, wall_time)
 
 
+def nonfinite_error(what: str) -> ValueError:
+    """The error raised when the model's outputs are not finite (rather than returning garbage)."""
+    return ValueError(f"model gave non-finite {what} (NaN or inf): its weights are probably not finite "
+                      "(a diverged training run?) or its dtype overflows")
+
+
 @contextlib.contextmanager
 def eval_mode(model):
     """Run with dropout off, restoring the model's training flag afterwards."""

@@ -59,7 +59,7 @@ import torch
 
 from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
-                      prepare)
+                      nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, nonfinite
 
@@ -135,12 +135,6 @@ def generate(
     stats = build_stats(accepted, lengths, canvas.shape[0], canvas.device, prefill_calls + calls,
                         time.perf_counter() - t0)
     return (canvas, stats) if return_stats else canvas
-
-
-def nonfinite_error(what: str) -> ValueError:
-    """The error raised when the model's outputs are not finite (rather than returning garbage)."""
-    return ValueError(f"model gave non-finite {what} (NaN or inf): its weights are probably not finite "
-                      "(a diverged training run?) or its dtype overflows")
 
 
 def _pad_rows(t: torch.Tensor, live: Optional[torch.Tensor], size: int) -> torch.Tensor:

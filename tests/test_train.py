@@ -248,9 +248,37 @@ def test_train_input_errors(tmp_path):
         train(small_cfg(tmp_path / "empty", resume=True))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable sigmafast checkpoint"):
-        load_checkpoint(tmp_path / "junk.pt")
+
+
+
+class _Foreign:
+    """A class torch.load(weights_only=True) refuses to unpickle."""
+
+
+@pytest.mark.parametrize("kind", ["junk", "truncated", "foreign-object", "empty"])
+def test_corrupt_checkpoint_error_has_no_unsafe_advice(tmp_path, trained_dir, kind):
+    path = tmp_path / "bad.pt"
+    if kind == "junk":
+        path.write_bytes(b"not a checkpoint")
+    elif kind == "truncated":
+        data = (trained_dir / "ckpt.pt").read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "foreign-object":
+        torch.save({"model": _Foreign()}, path)
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a readable sigmafast checkpoint") as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert "weights_only" not in message and "\n" not in message, message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_load_checkpoint_on_cuda_without_cuda(trained_dir):
+    with pytest.raises(ValueError, match="device 'cuda' requested but CUDA is not available"):
+        load_checkpoint(trained_dir / "ckpt.pt", device="cuda")
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        load_checkpoint(trained_dir / "ckpt.pt", device="gpu")
 
 
 @pytest.fixture(scope="module")
@@ -280,9 +308,11 @@ BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "-
         (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 2, now 3"),
         (["--resume", "--out-dir", "{trained}", "--seq-len", "10"], "task seq_len: checkpoint 12, now 10"),
         (["--resume", "--out-dir", "{trained}", "--task", "step"], "task name: checkpoint 'permutation', now 'step'"),
+        (["--seq-len", "100000000"], "GiB available: reduce --batch-size"),
+        (["--n-embd", "100000", "--n-layer", "100"], "GiB available: reduce --batch-size"),
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
-         "other-arch", "other-seq-len", "other-task"],
+         "other-arch", "other-seq-len", "other-task", "huge-seq-len", "huge-model"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     script = load_script()
