@@ -348,3 +348,33 @@ def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(
     assert check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many) == many
     with pytest.raises(ValueError, match="num_orders=10 with 4 rows of 8 tokens"):
         check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many - 1)
+
+
+@pytest.mark.parametrize("argv,match", [
+    pytest.param(["--infill", "0 _ 1", "--length", "0"], "--length must be >= 1, got 0", id="length-0"),
+    pytest.param(["--infill", "0 _ 1", "--length", "-3"], "--length must be >= 1, got -3", id="length-negative"),
+    pytest.param(["--length", "5"], "--length is the canvas length of --infill", id="length-without-infill"),
+    pytest.param(["--device", "gpu"], "device must be a torch device", id="bad-device"),
+    pytest.param(["--device", "cuda"], "CUDA is not available", id="cuda-without-cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")),
+])
+def test_sample_script_bad_input(argv, match, tmp_path, capsys):
+    """Rejected in one line before the checkpoint is even read."""
+    code = _sample_script().main(["--checkpoint", str(tmp_path / "never-read.pt"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert match in err
+
+
+def test_sample_script_defaults_to_exact_sampling():
+    args = _sample_script().SampleArgs(checkpoint="ckpt.pt")
+    assert (args.strategy, args.acceptance, args.num_orders) == ("burst", "lossless", 1)
+    assert _sample_script().SampleArgs(checkpoint="ckpt.pt", acceptance="paper").num_orders == 5
+
+
+def test_generate_defaults_to_exact_sampling():
+    import inspect
+
+    for fn in (sigmafast.generate, naive.generate, sigmafast.warmup):
+        params = inspect.signature(fn).parameters
+        assert (params["acceptance"].default, params["num_orders"].default) == ("lossless", 1), fn

@@ -97,6 +97,50 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path, monkeypatch):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("first,second,error", [
+    (signal.SIGTERM, signal.SIGTERM, SystemExit), (signal.SIGINT, signal.SIGTERM, SystemExit),
+    (signal.SIGTERM, signal.SIGINT, KeyboardInterrupt), (signal.SIGINT, signal.SIGINT, KeyboardInterrupt),
+], ids=["term-term", "int-term", "term-int", "int-int"])
+def test_first_signal_asks_to_stop_once_and_a_second_exits_at_once(first, second, error, caplog):
+    caplog.set_level(logging.WARNING, logger="sigmafast.train")
+    handlers_before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(error) as info:
+        with train_mod._StopRequest() as stop:
+            signal.raise_signal(first)
+            assert stop.requested
+            signal.raise_signal(second)
+            raise AssertionError("the second signal did not exit")
+    if error is SystemExit:
+        assert info.value.code == 128 + signal.SIGTERM
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers_before
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("saving a checkpoint and stopping" in m for m in messages) == 1, messages
+    assert sum("exiting now, without a checkpoint" in m for m in messages) == 1, messages
+
+
+def test_second_sigterm_stops_training_at_once(tmp_path, monkeypatch):
+    """Two SIGTERMs inside a step: the run ends there, without finishing the step or saving."""
+    real_get_batch = train_mod.get_batch
+
+    def get_batch_then_two_sigterms(task, cfg, step, index, start_pos, device):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_get_batch(task, cfg, step, index, start_pos, device)
+
+    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_two_sigterms)
+    with pytest.raises(SystemExit):
+        train(small_cfg(tmp_path, max_iters=50, eval_interval=50))
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_estimated_peak_memory_is_logged_at_start(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="sigmafast.train")
+    train(small_cfg(tmp_path, max_iters=1))
+    lines = [r.getMessage() for r in caplog.records if "estimated peak memory" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith("GiB per process"), lines
+
+
 def test_checkpoint_contents_and_load(tmp_path):
     result = train(small_cfg(tmp_path, max_iters=5))
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
