@@ -354,9 +354,11 @@ BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "-
         (["--resume", "--out-dir", "{trained}", "--task", "step"], "task name: checkpoint 'permutation', now 'step'"),
         (["--seq-len", "100000000"], "GiB available: reduce --batch-size"),
         (["--n-embd", "100000", "--n-layer", "100"], "GiB available: reduce --batch-size"),
+        pytest.param(["--device", "cuda"], "device 'cuda' requested but CUDA is not available",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
-         "other-arch", "other-seq-len", "other-task", "huge-seq-len", "huge-model"],
+         "other-arch", "other-seq-len", "other-task", "huge-seq-len", "huge-model", "cuda-without-cuda"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     script = load_script()
