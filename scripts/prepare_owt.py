@@ -25,6 +25,7 @@ import argparse
 import itertools
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -176,6 +177,16 @@ def prepare_hf(source: str, data_dir: Path, max_docs: Optional[int], val_fractio
     return write_documents(docs, paths, val_document_indices(total, val_fraction), num_workers, total, "documents")
 
 
+def check_output_dir(data_dir: Path) -> None:
+    """Create ``data_dir`` and write a probe file in it, before any download or tokenisation."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=data_dir):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--data-dir {data_dir} is not a writable folder ({exc.strerror or exc})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", choices=sorted(SOURCES), default="openwebtext",
@@ -209,6 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec = SOURCES[args.source]
     data_dir = Path(args.data_dir or spec["data_dir"])
     try:
+        check_output_dir(data_dir)
         if args.from_text:
             val_fraction = args.val_fraction if args.val_fraction is not None else FROM_TEXT_VAL_FRACTION
             counts = prepare_from_text(args.from_text, data_dir, val_fraction, args.num_workers)

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 import sigmafast
+from sigmafast.checkpoint import check_device
 from sigmafast.request import ACCEPTANCE_RULES, AR_ORDERS, STRATEGIES
 
 UNKNOWN = "_"
@@ -47,8 +48,9 @@ class SampleArgs:
     max_new_tokens: Optional[int] = field(default=None, metadata={"help": "new tokens (task length - prompt)"})
     strategy: str = field(default="burst", metadata={"choices": STRATEGIES, "help": "sampling strategy"})
     order: str = field(default="random", metadata={"choices": AR_ORDERS, "help": "autoregressive order"})
-    num_orders: Optional[int] = field(default=None, metadata={"help": "orders per burst (5 paper, 1 lossless)"})
-    acceptance: str = field(default="paper", metadata={"choices": ACCEPTANCE_RULES, "help": "burst rule"})
+    num_orders: Optional[int] = field(default=None, metadata={"help": "orders per burst (1 lossless, 5 paper)"})
+    acceptance: str = field(default="lossless", metadata={"choices": ACCEPTANCE_RULES,
+                                                          "help": "burst rule: lossless (exact) or paper (opt-in)"})
     temperature: float = field(default=1.0, metadata={"help": "0 is greedy"})
     top_k: Optional[int] = field(default=None, metadata={"help": "keep the k most likely tokens"})
     seed: int = field(default=0, metadata={"help": "seed of the sampling generator"})
@@ -64,6 +66,11 @@ class SampleArgs:
             self.num_orders = 1 if self.acceptance == "lossless" else 5
         if self.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
+        if self.length is not None and self.infill is None:
+            raise ValueError("--length is the canvas length of --infill: pass --infill, or --max-new-tokens instead")
+        if self.length is not None and self.length < 1:
+            raise ValueError(f"--length must be >= 1, got {self.length}")
+        check_device(self.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +170,7 @@ def run(args: SampleArgs) -> int:
     B, T = args.num_samples, task.seq_len
     kwargs: dict = {}
     if args.infill is not None:
-        tokens, known = parse_template(args.infill, task, args.length or T)
+        tokens, known = parse_template(args.infill, task, T if args.length is None else args.length)
         idx = tokens.expand(B, -1).to(args.device)
         kwargs["known"] = known.expand(B, -1).to(args.device)
     else:

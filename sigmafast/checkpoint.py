@@ -43,6 +43,33 @@ def atomic_save(obj, path) -> Path:
     return path
 
 
+def load_error_reason(error: Exception) -> str:
+    """The first sentence of the cause of a ``torch.load`` failure, without PyTorch's advice (which,
+    for weights-only loading, is to retry unsafely)."""
+    text = str(error)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    text = text.strip().split("\n", 1)[0].split(". ", 1)[0].strip().rstrip(".")
+    return text or type(error).__name__
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a ``torch.device``; a ``ValueError`` naming it when it is malformed or not present."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(dev)!r} requested but CUDA is not available: use device 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' requested but MPS is not available")
+    return dev
+
+
 def read_checkpoint(path) -> dict:
     """The raw checkpoint dict at ``path`` (tensors on CPU); clear errors when missing or foreign."""
     path = Path(path)
@@ -51,7 +78,10 @@ def read_checkpoint(path) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several unrelated types for corrupt or foreign files
-        raise ValueError(f"{path} is not a readable sigmafast checkpoint ({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"{path} is not a readable sigmafast checkpoint (corrupt, truncated or written by something else: "
+            f"{load_error_reason(e)})"
+        ) from None
     missing = REQUIRED_KEYS - set(ckpt) if isinstance(ckpt, dict) else REQUIRED_KEYS
     if missing:
         raise ValueError(f"{path} is not a sigmafast checkpoint: missing {sorted(missing)}")
@@ -116,6 +146,7 @@ def load_checkpoint(path, device="cpu") -> tuple[nn.Module, object, TrainConfig]
     """
     from .tasks import get_task
 
+    device = check_device(device)
     ckpt = read_checkpoint(path)
     train_cfg = TrainConfig.from_dict(ckpt["train_config"])
     task = get_task(ckpt["task"]["name"], **ckpt["task"]["kwargs"])

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import reference as ref
-from .request import ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt, prepare
+from .request import ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt, nonfinite_error, prepare
 
 
 def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
@@ -62,6 +62,8 @@ def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
         logits = model.logits(canvas.to(dev), known.to(dev), targets.to(dev))[:, 0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if not bool(torch.isfinite(logits.amax(-1)).all()):
+        raise nonfinite_error("logits")
     return logits
 
 
@@ -98,8 +100,8 @@ def generate(
     known: Optional[torch.Tensor] = None,
     strategy: str = "burst",
     order="random",
-    num_orders: int = 5,
-    acceptance: str = "paper",
+    num_orders: int = 1,
+    acceptance: str = "lossless",
     generator: Optional[torch.Generator] = None,
     return_stats: bool = False,
     on_iteration: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,

@@ -69,6 +69,12 @@ def build_stats(accepted: list, lengths: Optional[list], batch_size: int, device
     return SampleStats((acc > 0).sum(1), forward_calls, acc, lens, wall_time)
 
 
+def nonfinite_error(what: str) -> ValueError:
+    """The error raised when the model's outputs are not finite (rather than returning garbage)."""
+    return ValueError(f"model gave non-finite {what} (NaN or inf): its weights are probably not finite "
+                      "(a diverged training run?) or its dtype overflows")
+
+
 @contextlib.contextmanager
 def eval_mode(model):
     """Run with dropout off, restoring the model's training flag afterwards."""
@@ -113,6 +119,16 @@ def _check_int(name: str, value, minimum: int) -> int:
     return value
 
 
+def check_burst_memory(model, batch_size: int, num_orders: int, seq_len: int) -> None:
+    """A ``ValueError`` naming ``num_orders`` before a burst iteration that cannot fit in memory."""
+    from .kernels import backend_for
+    from .memory import check_sampling_memory
+
+    param = next(model.parameters())
+    check_sampling_memory(model.config, batch_size, num_orders, seq_len, param.device, param.element_size(),
+                          verifier_logits=backend_for(param) != "triton")
+
+
 def check_order_tensor(order: torch.Tensor, shape: tuple, name: str = "order") -> torch.Tensor:
     """A (B, T) integer tensor whose rows are permutations of 0..T-1."""
     if order.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
@@ -128,7 +144,7 @@ def check_order_tensor(order: torch.Tensor, shape: tuple, name: str = "order") -
 
 def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: float = 1.0,
             top_k: Optional[int] = None, known: Optional[torch.Tensor] = None, strategy: str = "burst",
-            order="random", num_orders: int = 1, acceptance: str = "paper",
+            order="random", num_orders: int = 1, acceptance: str = "lossless",
             generator: Optional[torch.Generator] = None) -> Request:
     """Validate ``generate``'s arguments and build the (B, T) canvas and known mask."""
     vocab_size, block_size, device = model_limits(model)
@@ -191,6 +207,8 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         raise ValueError(f"strategy='burst' always verifies random orders; order={order!r} needs 'autoregressive'")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if strategy == "burst" and is_sigma_gpt(model):
+        check_burst_memory(model, B, num_orders, T)
     return Request(canvas, known, float(temperature), top_k, strategy, order, num_orders, acceptance, generator)
 
 

@@ -17,8 +17,10 @@ KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
 The steps themselves are :mod:`sigmafast.steps` (static shapes, no host
 read); :mod:`sigmafast.runner` runs them eagerly or as CUDA graphs. The
 loops below read one value per burst iteration on the host (the largest
-remaining count, which ends the loop and picks the R bucket) and, for
-autoregressive sampling, one in all (the number of steps).
+remaining count, which ends the loop and picks the R bucket, read with the
+step's non-finite flag) and, for autoregressive sampling, two in all (the
+number of steps, and after the loop the non-finite flag the steps accumulated
+on the device). Non-finite model outputs raise a ``ValueError``.
 
 Randomness protocol (shared with :mod:`sigmafast.naive`). Every draw is an
 explicit float64 tensor from the user's ``generator`` (the global CPU RNG when
@@ -41,11 +43,11 @@ strategy then visits the unknown positions in the order's relative order
 (:func:`sigmafast.kernels.sample`); temperature and top-k apply identically to
 drafts and verifier; ``temperature=0`` is greedy.
 
-Acceptance rules: ``"paper"`` (the σ-GPT seed's rule; step 0 is force-accepted,
-the order with the longest accepted prefix wins, first on ties; not exact:
-best-of-N selection over-accepts) and ``"lossless"`` (one order, speculative
+Acceptance rules: ``"lossless"``, the default (one order, speculative
 sampling with a residual draw at the first rejection: exactly the model's
-random-order autoregressive law).
+random-order autoregressive law), and ``"paper"``, opt-in (the σ-GPT seed's
+rule; step 0 is force-accepted, the order with the longest accepted prefix
+wins, first on ties; not exact: best-of-N selection over-accepts).
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ import torch
 
 from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
-                      prepare)
+                      nonfinite_error, prepare)
 from .runner import Engine, runner_for
-from .steps import ARPlan
+from .steps import ARPlan, nonfinite
 
 __all__ = ["generate", "warmup", "conditional_density", "log_likelihood", "SampleStats"]
 
@@ -88,8 +90,8 @@ def generate(
     known: Optional[torch.Tensor] = None,
     strategy: str = "burst",
     order="random",
-    num_orders: int = 5,
-    acceptance: str = "paper",
+    num_orders: int = 1,
+    acceptance: str = "lossless",
     generator: Optional[torch.Generator] = None,
     return_stats: bool = False,
     on_iteration: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
@@ -103,10 +105,12 @@ def generate(
       known tokens are returned unchanged.
     - Unconditional: ``idx`` of shape (B, 0) and ``max_new_tokens = T``.
 
-    ``strategy`` is "burst" (draft all, verify ``num_orders`` random orders,
-    ``acceptance`` "paper" or "lossless" (needs ``num_orders=1``)) or
+    ``strategy`` is "burst" (draft all, verify ``num_orders`` random orders) or
     "autoregressive" (one token per model call in ``order``: "random",
-    "left-to-right", "fractal" or a (B, T) tensor). ``on_iteration(canvas,
+    "left-to-right", "fractal" or a (B, T) tensor). Burst ``acceptance`` is
+    "lossless" by default (one order, ``num_orders=1``: exactly the model's
+    random-order autoregressive law) or, opt-in, "paper" (the σ-GPT rule over
+    ``num_orders`` orders: fewer iterations, not exact). ``on_iteration(canvas,
     known)``, when given, is called after every iteration (it may sync).
     """
     target = _model_of(model)
@@ -177,6 +181,7 @@ def _autoregressive(runner, session, req, canvas, known, on_iteration):
     plan = ARPlan(
         _pad_rows(visit, None, size), _pad_rows(u, None, size), _pad_rows(n_known, None, size),
         _pad_rows(todo, None, size), torch.zeros((), dtype=torch.long, device=device),
+        torch.zeros((), dtype=torch.bool, device=device),
     )
     plan = runner.static(session, "ar", plan)
     for _ in range(n_steps):
@@ -184,6 +189,8 @@ def _autoregressive(runner, session, req, canvas, known, on_iteration):
         if on_iteration is not None:
             _write_back(canvas, known, None, session)
             on_iteration(canvas, known)
+    if bool(plan.nonfinite):  # one read after the loop, of the flag the steps accumulated on the device
+        raise nonfinite_error("logits")
     _write_back(canvas, known, None, session)
     accepted = [(todo > s).long() for s in range(n_steps)]
     return accepted, None, n_steps
@@ -200,10 +207,12 @@ def _burst(runner, session, req, canvas, known, on_iteration):
     device = canvas.device
     live = None  # full-batch row of each working row; None while they are rows 0..B-1
     left = (~session.known).sum(1)
-    status = torch.stack([left.max(), (left > 0).sum()])
+    status = torch.stack([left.max(), (left > 0).sum(), torch.zeros_like(left.max())])
     accepted, lengths, calls = [], [], 0
     while True:
-        max_left, n_live = status.tolist()  # the iteration's single host read
+        max_left, n_live, bad = status.tolist()  # the iteration's single host read
+        if bad:
+            raise nonfinite_error("logits or hidden states")
         if max_left == 0:
             break
         n_work = B if live is None else live.shape[0]
@@ -226,8 +235,8 @@ def _burst(runner, session, req, canvas, known, on_iteration):
     return accepted, lengths, calls
 
 
-def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num_orders: int = 5,
-           acceptance: str = "paper", temperature: float = 1.0, top_k: Optional[int] = None) -> Engine:
+def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num_orders: int = 1,
+           acceptance: str = "lossless", temperature: float = 1.0, top_k: Optional[int] = None) -> Engine:
     """Compile and capture, ahead of time, the steps that :func:`generate` will run for calls with
     these settings, ``batch_size`` rows and canvases of ``seq_len`` tokens; returns the engine to pass
     to ``generate`` in place of the model. ``generate`` works without it (it captures on the fly).
@@ -250,7 +259,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
             session = engine.start(req.canvas, req.known)
             zeros = torch.zeros(B, dtype=torch.long, device=device)
             plan = ARPlan(torch.arange(T, device=device).expand(B, T).contiguous(), draw(g, (B, T), device), zeros,
-                          zeros + T, zeros[0].clone())
+                          zeros + T, zeros[0].clone(), zeros[0].bool())
             plan = engine.static(session, "ar", _pad_plan(plan, session.batch_size))
             for _ in range(2):  # eager (compiles), then captured
                 engine.ar(session, plan, req.temperature, req.top_k)
@@ -265,7 +274,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
 
 
 def _pad_plan(plan: ARPlan, size: int) -> ARPlan:
-    return ARPlan(*(_pad_rows(t, None, size) for t in plan[:4]), plan.step)
+    return ARPlan(*(_pad_rows(t, None, size) for t in plan[:4]), plan.step, plan.nonfinite)
 
 
 def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
@@ -278,7 +287,10 @@ def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.
     with torch.no_grad(), eval_mode(model):
         session = conds.prefill(req.canvas, req.known)
         positions = torch.arange(T, device=req.canvas.device).expand(B, T)
-        p = torch.softmax(session.draft(positions), dim=-1) if T > 0 else None
+        logits = session.draft(positions) if T > 0 else None  # (B, T, V)
+        if logits is not None and bool(nonfinite(logits, ~req.known)):
+            raise nonfinite_error("logits")
+        p = torch.softmax(logits, dim=-1) if logits is not None else None
     V = conds.vocab_size
     one_hot = torch.nn.functional.one_hot(req.canvas, V).to(p.dtype if p is not None else torch.float32)
     return one_hot if p is None else torch.where(req.known[..., None], one_hot, p)
@@ -314,5 +326,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
             logits = session.verify(order[:, None], targets[:, None]).logits[:, 0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if not bool(torch.isfinite(logits.amax(-1)).all()):  # every row is used
+        raise nonfinite_error("logits")
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1).sum(-1)

@@ -56,10 +56,20 @@ class ARPlan(NamedTuple):
     n_known: torch.Tensor  # (B,) known count at the start
     steps: torch.Tensor  # (B,) tokens to sample per row
     step: torch.Tensor  # () int64 step counter, advanced in place by :func:`ar_step`
+    nonfinite: torch.Tensor  # () bool, set in place by :func:`ar_step` when a used logits row is not finite
 
 
 def _backend(session) -> Optional[str]:
     return getattr(session, "backend", None)
+
+
+def nonfinite(values: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """() bool: some used row of ``values`` (..., N) holds a NaN or +inf, or has no finite entry.
+
+    ``used`` (the leading dims of ``values``, broadcastable) masks padding and finished rows. A row's
+    maximum is finite exactly when the row is usable: NaN propagates through it, and an oracle's
+    -inf (probability 0) entries are fine as long as one entry is finite."""
+    return (~torch.isfinite(values.amax(-1)) & used).any()
 
 
 def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Optional[int]) -> Drafts:
@@ -141,7 +151,8 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     """One burst iteration over the whole batch, in place.
 
     Returns the committed counts (B,), the chosen orders' accepted draft lengths (B,) and
-    ``status`` (2,) int64: the largest remaining count and the number of unfinished rows after it.
+    ``status`` (3,) int64: the largest remaining count, the number of unfinished rows after it,
+    and 1 when a draft or verifier output used by this iteration is not finite (else 0).
     """
     remaining = (~session.known).sum(1)  # (B,)
     drafts = draft(session, d.u_draft, R, temperature, top_k)
@@ -150,6 +161,9 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     T = drafts.tokens.shape[1]
     tok_o = drafts.tokens[:, None, :].expand(B, O, T).gather(2, orders)
     verified = session.verify(orders, tok_o)
+    used = torch.arange(R, device=remaining.device)[None, :] < remaining[:, None]  # (B, R)
+    scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
+    bad = nonfinite(drafts.logits, used) | nonfinite(scores, used[:, None, :])
     res = accept(session, verified, drafts, d.u_accept, remaining, temperature, top_k, rule)
     rows = torch.arange(B, device=remaining.device)
     choice = res.best if rule == "paper" else torch.zeros_like(res.best)
@@ -163,7 +177,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
         n_commit = n + rejected.long()
     commit(session, verified, choice, n_commit, new_tok)
     left = remaining - n_commit
-    return n_commit, n, torch.stack([left.max(), (left > 0).sum()])
+    return n_commit, n, torch.stack([left.max(), (left > 0).sum(), bad.long()])
 
 
 def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:
@@ -177,4 +191,5 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     logits = verifier_logits(session, verified, torch.arange(B, device=canvas.device), first, first)  # (B, V)
     tok, _ = kernels.sample(logits, plan.u.gather(1, j).squeeze(1), temperature, top_k, backend=_backend(session))
     commit(session, verified, first, active.long(), tok[:, None])
+    plan.nonfinite.logical_or_(nonfinite(logits, active))
     plan.step.add_(1)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -30,9 +28,12 @@ from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_checkpoint,
     rng_state, set_rng_state, task_record,
 )
-from .distributed import Layout, init_layout
 from .diffusion import training as diffusion_training
+from .distributed import Layout, init_layout
+from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
+from .memory import GIB, check_training_memory
 from .model import SigmaGPT, SigmaGPTConfig
+from .signals import StopRequest
 from .train_config import TrainConfig, resolve
 
 __all__ = ["TrainConfig", "TrainResult", "train", "load_checkpoint", "learning_rate", "build_model_config"]
@@ -132,40 +133,6 @@ def make_val_batches(task, cfg: TrainConfig) -> list[tuple[torch.Tensor, torch.T
     return batches
 
 
-@torch.no_grad()
-def estimate_val_loss(model: SigmaGPT, batches, order: str, bos: int, autocast, device) -> float:
-    """Mean loss over ``batches`` in their random order or in left-to-right order."""
-    total = torch.zeros((), device=device)
-    for x, rand in batches:
-        sigma = rand if order == "random" else orders.left_to_right(*x.shape)
-        tokens, in_pos, out_pos, targets = orders.shuffle(x, sigma, bos, model.config.start_pos)
-        with autocast:
-            loss = model.loss(tokens.to(device), in_pos.to(device), out_pos.to(device), targets.to(device))
-        total += loss.float()
-    return (total / len(batches)).item()
-
-
-def _numeric_metrics(metrics) -> bool:
-    return isinstance(metrics, dict) and bool(metrics) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()
-    )
-
-
-@torch.no_grad()
-def sample_validity(model: torch.nn.Module, task, canvas: torch.Tensor, seed: int, device) -> dict:
-    """``task.evaluate`` of sequences sampled around the task's prompt: autoregressively in random
-    order for a σ-GPT, in T steps for a diffusion model."""
-    from .naive import generate
-
-    known = task.prompt_mask.to(device).expand(canvas.shape)  # (N, T)
-    g = torch.Generator(device=device).manual_seed(seed)
-    if diffusion.objective_of(model) == "diffusion":
-        samples = diffusion.generate(model, canvas.to(device), known=known, generator=g)
-    else:
-        samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g)
-    return task.evaluate(samples.cpu())
-
-
 class SigmaLoss(torch.nn.Module):
     """``model.loss`` as a module call, so that DDP and ``torch.compile`` wrap the chunked loss."""
 
@@ -177,28 +144,12 @@ class SigmaLoss(torch.nn.Module):
         return self.model.loss(tokens, in_pos, out_pos, targets)
 
 
-class _StopRequest:
-    """SIGINT/SIGTERM handlers that ask the loop to checkpoint and stop; restored on exit."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("%s received: saving a checkpoint and stopping", signal.Signals(signum).name)
-
-    def __enter__(self) -> "_StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def check_memory(cfg: TrainConfig, model_config: SigmaGPTConfig, seq_len: int, device: torch.device) -> int:
+    """The estimated training peak in bytes (:func:`sigmafast.memory.training_peak_bytes`, bf16
+    activations under autocast); a ``ValueError`` naming the flags that reduce it when it exceeds the
+    memory available on ``device``."""
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    return check_training_memory(model_config, cfg.batch_size, seq_len, device, activation_bytes=2 if bf16 else 4)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -207,14 +158,14 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     layout = init_layout(cfg.device)
     try:
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             return _Trainer(cfg, layout, stop).run()
     finally:
         layout.close()
 
 
 class _Trainer:
-    def __init__(self, user_cfg: TrainConfig, layout: Layout, stop: _StopRequest) -> None:
+    def __init__(self, user_cfg: TrainConfig, layout: Layout, stop: StopRequest) -> None:
         from .tasks import get_task
 
         self.layout, self.stop, self.device = layout, stop, layout.device
@@ -223,6 +174,8 @@ class _Trainer:
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
         self.task_info = task_record(self.task, task_kwargs)
         self.model_config = build_model_config(cfg, self.task)
+        estimate = check_memory(cfg, self.model_config, self.task.seq_len, self.device)
+        self._info("estimated peak memory %.2f GiB per process", estimate / GIB)
         self.path = checkpoint_path(cfg.out_dir)
         if layout.is_main:  # fail now, not at the first checkpoint after minutes of training
             try:
@@ -333,7 +286,7 @@ class _Trainer:
         n = self.cfg.num_eval_samples
         if n > 0:
             canvas = self.task.sample_batch(n, "val", _generator(self.cfg.seed, _SAMPLE_STREAM))
-            if _numeric_metrics(self.task.evaluate(canvas)):
+            if numeric_metrics(self.task.evaluate(canvas)):
                 self.canvas = canvas
 
     def step(self, it: int) -> torch.Tensor:

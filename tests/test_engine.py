@@ -53,9 +53,10 @@ def _ar_run(model, step, backend, B=3):
     n_known = known.sum(1)
     visit = torch.where(known, torch.arange(T) - T, torch.arange(T).flip(0)).argsort(dim=1, stable=True)
     plan = steps.ARPlan(visit, draw(torch.Generator().manual_seed(2), (B, T), "cpu"), n_known, T - n_known,
-                        torch.zeros((), dtype=torch.long))
+                        torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.bool))
     for _ in range(T):
         step(session, plan, 0.8, 3)
+    assert not plan.nonfinite
     return session.canvas.clone(), session.known.clone()
 
 
@@ -102,7 +103,7 @@ def test_ar_step_compiles_without_graph_breaks(model, backend):
 def test_compiled_steps_give_the_eager_tokens(model, strategy):
     """Engine(compile_steps=...) runs the steps through torch.compile(fullgraph=True)."""
     idx = torch.randint(0, VOCAB, (2, 2), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(strategy=strategy, num_orders=2, temperature=0.9, return_stats=True)
+    kwargs = dict(strategy=strategy, acceptance="paper", num_orders=2, temperature=0.9, return_stats=True)
     torch._dynamo.reset()
     compiled = sigmafast.Engine(model, buckets=True, compile_steps="aot_eager")
     got, s_got = sigmafast.generate(compiled, idx, T - 2, generator=torch.Generator().manual_seed(1), **kwargs)
@@ -130,11 +131,11 @@ def test_engine_defaults_and_bad_input(model):
 
 @pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
 def test_warmup_returns_an_engine_that_generate_takes(model, strategy):
-    engine = sigmafast.warmup(sigmafast.Engine(model, buckets=True), 2, T, strategy=strategy, num_orders=2,
-                              temperature=0.7)
+    engine = sigmafast.warmup(sigmafast.Engine(model, buckets=True), 2, T, strategy=strategy, acceptance="paper",
+                              num_orders=2, temperature=0.7)
     assert isinstance(engine, sigmafast.Engine) and engine.model is model
     idx = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(strategy=strategy, num_orders=2, temperature=0.7, return_stats=True)
+    kwargs = dict(strategy=strategy, acceptance="paper", num_orders=2, temperature=0.7, return_stats=True)
     out, stats = sigmafast.generate(engine, idx, T - 3, generator=torch.Generator().manual_seed(1), **kwargs)
     want, want_stats = sigmafast.generate(model, idx, T - 3, generator=torch.Generator().manual_seed(1), **kwargs)
     assert torch.equal(out, want) and torch.equal(stats.accepted, want_stats.accepted)

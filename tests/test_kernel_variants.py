@@ -156,12 +156,12 @@ def test_generate_compiles_each_kernel_at_most_twice():
     and caches over 32 keys split the KV."""
     model = tiny_model(vocab_size=7, block_size=40, dtype=torch.float32).to(DEVICE)
     calls = [
-        (torch.randint(0, 7, (1, 2)), None, 10, dict(num_orders=3)),
-        (torch.randint(0, 7, (2, 30)), None, 10, dict(num_orders=1)),
+        (torch.randint(0, 7, (1, 2)), None, 10, dict(acceptance="paper", num_orders=3)),
+        (torch.randint(0, 7, (2, 30)), None, 10, dict(acceptance="paper", num_orders=1)),
         (torch.randint(0, 7, (3, 5)), None, 9, dict(acceptance="lossless", num_orders=1, top_k=4)),
-        (*_infill(2, 20, [3, 11], seed=1), None, dict(num_orders=3)),
+        (*_infill(2, 20, [3, 11], seed=1), None, dict(acceptance="paper", num_orders=3)),
         (*_infill(3, 36, [30, 33, 34], seed=2), None, dict(acceptance="lossless", num_orders=1)),
-        (torch.randint(0, 7, (2, 3)), None, 8, dict(temperature=0.0, num_orders=2)),
+        (torch.randint(0, 7, (2, 3)), None, 8, dict(temperature=0.0, acceptance="paper", num_orders=2)),
         (torch.randint(0, 7, (3, 1)), None, 6, dict(strategy="autoregressive", temperature=0.8)),
     ]
     with count_variants() as v, kernels.use_backend("triton"):

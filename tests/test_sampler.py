@@ -258,7 +258,8 @@ SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "non
 def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, strategy, acceptance, num_orders,
                                                            buckets):
     """Host reads of tensor values (syncs on a GPU) in the loop: one per burst iteration (the remaining
-    count, plus the final one that ends the loop), one in total for autoregressive sampling."""
+    count and the non-finite flag, plus the final one that ends the loop); for autoregressive sampling,
+    one before the loop (the step count) and one after it (the non-finite flag), none per token."""
     from sigmafast import sampler
     from sigmafast.request import prepare
 
@@ -282,6 +283,98 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
     with torch.no_grad():
         accepted, _, _ = run(runner, session, req, canvas, known_now, None)
     monkeypatch.undo()
-    expected = 1 if strategy == "autoregressive" else len(accepted) + 1
+    expected = 2 if strategy == "autoregressive" else len(accepted) + 1
     assert len(reads) == expected, reads
     assert known_now.all()
+
+
+@pytest.fixture(scope="module")
+def nan_model():
+    """A model whose first MLP weights are NaN: every output is NaN."""
+    broken = tiny_model(VOCAB, T, seed=2, std=0.5)
+    with torch.no_grad():
+        broken.h[0].mlp.c_fc.weight.fill_(float("nan"))
+    return broken
+
+
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [
+    ("autoregressive", "lossless", 1), ("burst", "paper", 3), ("burst", "lossless", 1)])
+@pytest.mark.parametrize("impl", ["cached", "naive"])
+def test_non_finite_logits_raise(nan_model, strategy, acceptance, num_orders, impl):
+    fn = sigmafast.generate if impl == "cached" else naive.generate
+    with pytest.raises(ValueError, match="model gave non-finite"):
+        fn(nan_model, torch.zeros(2, 0, dtype=torch.long), T, strategy=strategy, acceptance=acceptance,
+           num_orders=num_orders, generator=torch.Generator().manual_seed(0))
+
+
+def test_non_finite_density_and_likelihood_raise(nan_model):
+    x = torch.zeros(2, T, dtype=torch.long)
+    with pytest.raises(ValueError, match="model gave non-finite logits"):
+        sigmafast.conditional_density(nan_model, x, torch.zeros(2, T, dtype=torch.bool))
+    with pytest.raises(ValueError, match="model gave non-finite logits"):
+        sigmafast.log_likelihood(nan_model, x, "left-to-right")
+
+
+def test_burst_step_flags_non_finite_outputs(model, nan_model):
+    """The flag rides on the status the loop reads anyway: 0 for a finite model, 1 otherwise."""
+    from sigmafast import steps
+    from sigmafast.engine import NeuralSession
+    from sigmafast.request import draw_burst
+
+    flags = []
+    for m in (model, nan_model):
+        session = NeuralSession(m, 2, T, "reference")
+        session.prefill(torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.bool))
+        with torch.no_grad():
+            _, _, status = steps.burst_step(session, draw_burst(torch.Generator().manual_seed(0), 2, 1, T, "cpu"),
+                                            T, 1.0, None, "lossless")
+        flags.append(int(status[2]))
+    assert flags == [0, 1]
+
+
+def test_too_many_orders_fail_before_allocating(model):
+    """10**9 orders x 8 positions would need terabytes (float64 keys alone: 64 GB)."""
+    with pytest.raises(ValueError, match=r"num_orders=1000000000 .* GiB .* reduce num_orders"):
+        sigmafast.generate(model, torch.zeros(1, 0, dtype=torch.long), T, acceptance="paper", num_orders=10**9)
+
+
+def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(model):
+    from sigmafast.memory import check_sampling_memory, sampling_peak_bytes
+
+    cfg = model.config
+    one, many = (sampling_peak_bytes(cfg, 4, o, T, 8) for o in (1, 10))
+    per_order = 16 * 4 * T + 8 * 4 * T * cfg.n_embd * (2 * cfg.n_layer + 6) + 4 * 4 * T * VOCAB
+    assert many - one == 9 * per_order
+    assert check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many) == many
+    with pytest.raises(ValueError, match="num_orders=10 with 4 rows of 8 tokens"):
+        check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many - 1)
+
+
+@pytest.mark.parametrize("argv,match", [
+    pytest.param(["--infill", "0 _ 1", "--length", "0"], "--length must be >= 1, got 0", id="length-0"),
+    pytest.param(["--infill", "0 _ 1", "--length", "-3"], "--length must be >= 1, got -3", id="length-negative"),
+    pytest.param(["--length", "5"], "--length is the canvas length of --infill", id="length-without-infill"),
+    pytest.param(["--device", "gpu"], "device must be a torch device", id="bad-device"),
+    pytest.param(["--device", "cuda"], "CUDA is not available", id="cuda-without-cuda",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")),
+])
+def test_sample_script_bad_input(argv, match, tmp_path, capsys):
+    """Rejected in one line before the checkpoint is even read."""
+    code = _sample_script().main(["--checkpoint", str(tmp_path / "never-read.pt"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert match in err
+
+
+def test_sample_script_defaults_to_exact_sampling():
+    args = _sample_script().SampleArgs(checkpoint="ckpt.pt")
+    assert (args.strategy, args.acceptance, args.num_orders) == ("burst", "lossless", 1)
+    assert _sample_script().SampleArgs(checkpoint="ckpt.pt", acceptance="paper").num_orders == 5
+
+
+def test_generate_defaults_to_exact_sampling():
+    import inspect
+
+    for fn in (sigmafast.generate, naive.generate, sigmafast.warmup):
+        params = inspect.signature(fn).parameters
+        assert (params["acceptance"].default, params["num_orders"].default) == ("lossless", 1), fn

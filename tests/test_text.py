@@ -206,6 +206,19 @@ def test_prepare_bad_input(argv, match, tmp_path, enc):
     assert not (tmp_path / "out" / "train.bin").exists()
 
 
+def test_unwritable_data_dir_fails_before_tokenising(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("x")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("tokenised before checking --data-dir")
+
+    monkeypatch.setattr(prepare_owt, "prepare_from_text", must_not_run)
+    monkeypatch.setattr(prepare_owt, "prepare_hf", must_not_run)
+    for argv in (["--from-text", str(tmp_path / "afile")], ["--max-docs", "10"]):
+        with pytest.raises(SystemExit, match=r"--data-dir .*afile.sub is not a writable folder"):
+            prepare_owt.main([*argv, "--data-dir", str(tmp_path / "afile" / "sub")])
+
+
 # --- TokenFileTask ----------------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import torch
 import sigmafast.train as train_mod
 from sigmafast.checkpoint import atomic_save, read_checkpoint
 from sigmafast.model import SigmaGPT
+from sigmafast.signals import StopRequest
 from sigmafast.tasks import get_task
 from sigmafast.train import (
     TrainConfig, build_model_config, configure_optimizer, learning_rate, load_checkpoint, train,
@@ -95,6 +96,50 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path, monkeypatch):
     assert second.history == straight.history
     for p, q in zip(straight.model.parameters(), second.model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("first,second,error", [
+    (signal.SIGTERM, signal.SIGTERM, SystemExit), (signal.SIGINT, signal.SIGTERM, SystemExit),
+    (signal.SIGTERM, signal.SIGINT, KeyboardInterrupt), (signal.SIGINT, signal.SIGINT, KeyboardInterrupt),
+], ids=["term-term", "int-term", "term-int", "int-int"])
+def test_first_signal_asks_to_stop_once_and_a_second_exits_at_once(first, second, error, caplog):
+    caplog.set_level(logging.WARNING, logger="sigmafast.train")
+    handlers_before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(error) as info:
+        with StopRequest() as stop:
+            signal.raise_signal(first)
+            assert stop.requested
+            signal.raise_signal(second)
+            raise AssertionError("the second signal did not exit")
+    if error is SystemExit:
+        assert info.value.code == 128 + signal.SIGTERM
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers_before
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("saving a checkpoint and stopping" in m for m in messages) == 1, messages
+    assert sum("exiting now, without a checkpoint" in m for m in messages) == 1, messages
+
+
+def test_second_sigterm_stops_training_at_once(tmp_path, monkeypatch):
+    """Two SIGTERMs inside a step: the run ends there, without finishing the step or saving."""
+    real_get_batch = train_mod.get_batch
+
+    def get_batch_then_two_sigterms(task, cfg, step, index, start_pos, device):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_get_batch(task, cfg, step, index, start_pos, device)
+
+    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_two_sigterms)
+    with pytest.raises(SystemExit):
+        train(small_cfg(tmp_path, max_iters=50, eval_interval=50))
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_estimated_peak_memory_is_logged_at_start(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="sigmafast.train")
+    train(small_cfg(tmp_path, max_iters=1))
+    lines = [r.getMessage() for r in caplog.records if "estimated peak memory" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith("GiB per process"), lines
 
 
 def test_checkpoint_contents_and_load(tmp_path):
@@ -248,9 +293,37 @@ def test_train_input_errors(tmp_path):
         train(small_cfg(tmp_path / "empty", resume=True))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable sigmafast checkpoint"):
-        load_checkpoint(tmp_path / "junk.pt")
+
+
+
+class _Foreign:
+    """A class torch.load(weights_only=True) refuses to unpickle."""
+
+
+@pytest.mark.parametrize("kind", ["junk", "truncated", "foreign-object", "empty"])
+def test_corrupt_checkpoint_error_has_no_unsafe_advice(tmp_path, trained_dir, kind):
+    path = tmp_path / "bad.pt"
+    if kind == "junk":
+        path.write_bytes(b"not a checkpoint")
+    elif kind == "truncated":
+        data = (trained_dir / "ckpt.pt").read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "foreign-object":
+        torch.save({"model": _Foreign()}, path)
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a readable sigmafast checkpoint") as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert "weights_only" not in message and "\n" not in message, message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_load_checkpoint_on_cuda_without_cuda(trained_dir):
+    with pytest.raises(ValueError, match="device 'cuda' requested but CUDA is not available"):
+        load_checkpoint(trained_dir / "ckpt.pt", device="cuda")
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        load_checkpoint(trained_dir / "ckpt.pt", device="gpu")
 
 
 @pytest.fixture(scope="module")
@@ -280,9 +353,13 @@ BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "-
         (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 2, now 3"),
         (["--resume", "--out-dir", "{trained}", "--seq-len", "10"], "task seq_len: checkpoint 12, now 10"),
         (["--resume", "--out-dir", "{trained}", "--task", "step"], "task name: checkpoint 'permutation', now 'step'"),
+        (["--seq-len", "100000000"], "GiB available: reduce --batch-size"),
+        (["--n-embd", "100000", "--n-layer", "100"], "GiB available: reduce --batch-size"),
+        pytest.param(["--device", "cuda"], "device 'cuda' requested but CUDA is not available",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
-         "other-arch", "other-seq-len", "other-task"],
+         "other-arch", "other-seq-len", "other-task", "huge-seq-len", "huge-model", "cuda-without-cuda"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     script = load_script()

@@ -1,0 +1,149 @@
+"""Sampling quality: validity with a 95% confidence interval, and iterations, per sampling method.
+
+Regenerates the quality table of issue 11 on the trained benchmark models
+(``step`` and ``permutation``, trained once and cached, see ``_models.py``):
+
+* ``AR``: autoregressive sampling in a random order, one model call per token;
+* ``lossless``: burst sampling with the exact rule (``generate``'s default);
+* ``paper, N orders``: the σ-GPT paper's rule (opt-in, not exact) with 1, 5, 10 orders;
+* the same at temperature 0.7 for AR, lossless and the paper rule with 5 orders.
+
+Validity is the task's own metric (``task.evaluate``) over ``n`` sequences, with a
+Wilson score interval; iterations are per sequence (mean over rows): one model call
+each for AR, two (draft + verify) for burst. AR and lossless sample the same law (the
+model's random-order autoregressive law), so their validities must agree; this is
+tested (two-proportion z-test), the paper rule is only reported.
+
+Sizes: 256 sequences per figure on a CPU, ``SIGMAFAST_BENCH_FULL=1`` 2000 (with the
+full-size models). The table is printed (markdown) and stored in
+``benchmark.extra_info["rows"]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+import sigmafast
+from _common import bench_full, device_info, primary_metric, synchronize
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+SAMPLES = 2000 if bench_full() else 256
+CHUNK = 256  # sequences per generate call
+METHODS = {
+    "AR": dict(strategy="autoregressive"),
+    "lossless": dict(strategy="burst", acceptance="lossless", num_orders=1),
+    "paper, 1 order": dict(strategy="burst", acceptance="paper", num_orders=1),
+    "paper, 5 orders": dict(strategy="burst", acceptance="paper", num_orders=5),
+    "paper, 10 orders": dict(strategy="burst", acceptance="paper", num_orders=10),
+    "AR, T=0.7": dict(strategy="autoregressive", temperature=0.7),
+    "lossless, T=0.7": dict(strategy="burst", acceptance="lossless", num_orders=1, temperature=0.7),
+    "paper, 5 orders, T=0.7": dict(strategy="burst", acceptance="paper", num_orders=5, temperature=0.7),
+}
+SAME_LAW = [("AR", "lossless"), ("AR, T=0.7", "lossless, T=0.7")]
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (Wilson 1927)."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def two_proportion_p_value(k1: int, n1: int, k2: int, n2: int) -> float:
+    """Two-sided p-value of the pooled two-proportion z-test (1.0 when both are 0% or 100%)."""
+    pooled = (k1 + k2) / (n1 + n2)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    if se == 0:
+        return 1.0
+    z = abs(k1 / n1 - k2 / n2) / se
+    return math.erfc(z / math.sqrt(2))
+
+
+@dataclass
+class QualityRow:
+    method: str
+    valid: int  # valid sequences
+    n: int  # sequences
+    iterations: float  # mean per sequence
+    low: float
+    high: float
+
+    @property
+    def rate(self) -> float:
+        return self.valid / self.n
+
+    def markdown(self) -> str:
+        ci = f"{100 * self.rate:.1f}% [{100 * self.low:.1f}, {100 * self.high:.1f}]"
+        return f"| {self.method} | {ci} | {self.iterations:.2f} | {self.n} |"
+
+
+def measure(model, task, method: str, n: int, device: torch.device) -> QualityRow:
+    """Sample ``n`` sequences around the task's prompt with ``METHODS[method]``, in chunks of ``CHUNK``."""
+    valid, iterations = 0, 0.0
+    for start in range(0, n, CHUNK):
+        rows = min(CHUNK, n - start)
+        canvas = task.sample_batch(rows, "val", torch.Generator().manual_seed(start)).to(device)
+        known = task.prompt_mask.to(device).expand(rows, task.seq_len)
+        g = torch.Generator(device).manual_seed(1234 + start)
+        tokens, stats = sigmafast.generate(model, canvas, known=known, generator=g, return_stats=True,
+                                           **METHODS[method])
+        synchronize(device)
+        if not torch.equal(tokens[known], canvas[known]):
+            raise AssertionError(f"{method}: generate changed known tokens")
+        name, value = primary_metric(task, task.evaluate(tokens.cpu()))
+        if name is None:
+            raise AssertionError(f"task {task.name} has no validity metric")
+        valid += round(value * rows)  # the metric is a mean over rows
+        iterations += float(stats.iterations.double().sum())
+    return QualityRow(method, valid, n, iterations / n, *wilson_interval(valid, n))
+
+
+def markdown_table(title: str, rows: list[QualityRow]) -> str:
+    lines = [f"**{title}**", "", "| method | valid % [95% CI] | iterations | n |", "|---|---|---|---|"]
+    return "\n".join(lines + [r.markdown() for r in rows])
+
+
+def test_wilson_interval_known_values():
+    """Reference values from the closed form (e.g. Newcombe 1998, table I: 81/263 -> [0.2553, 0.3662])."""
+    low, high = wilson_interval(81, 263)
+    assert abs(low - 0.2553) < 5e-5 and abs(high - 0.3662) < 5e-5
+    assert wilson_interval(0, 10)[0] == 0.0 and abs(wilson_interval(0, 10)[1] - 0.2775) < 5e-5
+    assert abs(two_proportion_p_value(50, 100, 50, 100) - 1.0) < 1e-12
+    assert abs(two_proportion_p_value(60, 100, 40, 100) - 0.004677734981047) < 1e-9
+
+
+@pytest.mark.parametrize("model_name", ["step", "permutation"])
+def test_quality(benchmark, capsys, model_name, models, device):
+    bm = models.get(model_name, device)
+    model, task = bm.model, bm.task
+
+    def run():
+        return [measure(model, task, method, SAMPLES, device) for method in METHODS]
+
+    rows = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    by_method = {r.method: r for r in rows}
+    final = bm.info.get("final_eval", {})
+    title = (f"{model_name}: {bm.spec.preset} model, {bm.spec.max_iters} training steps, random-order val loss "
+             f"{final.get('val_loss_random', float('nan')):.3f}; {device_info(device)['device']}")
+    table = markdown_table(title, rows)
+    with capsys.disabled():
+        print("\n\n" + table + "\n")
+    benchmark.extra_info.update(
+        kind="quality", model=model_name, task=task.name, seq_len=task.seq_len, n_samples=SAMPLES,
+        rows=[{**asdict(r), "rate": r.rate} for r in rows], table=table, n_params=bm.info["n_params"],
+        train_iters=bm.spec.max_iters, final_eval=final, **device_info(device),
+    )
+    n_unknown = int((~task.prompt_mask).sum())
+    assert by_method["AR"].iterations == n_unknown, "autoregressive takes one step per unknown position"
+    for a, b in SAME_LAW:
+        ra, rb = by_method[a], by_method[b]
+        p = two_proportion_p_value(ra.valid, ra.n, rb.valid, rb.n)
+        assert p > 1e-3, f"{a} and {b} sample the same law, yet validity {ra.rate:.3f} vs {rb.rate:.3f} (p={p:.2g})"

@@ -1,0 +1,42 @@
+"""Validation losses and sampled validity, as the trainer reports them."""
+
+from __future__ import annotations
+
+import torch
+
+from . import diffusion, orders
+from .model import SigmaGPT
+
+
+@torch.no_grad()
+def estimate_val_loss(model: SigmaGPT, batches, order: str, bos: int, autocast, device) -> float:
+    """Mean loss over ``batches`` in their random order or in left-to-right order."""
+    total = torch.zeros((), device=device)
+    for x, rand in batches:
+        sigma = rand if order == "random" else orders.left_to_right(*x.shape)
+        tokens, in_pos, out_pos, targets = orders.shuffle(x, sigma, bos, model.config.start_pos)
+        with autocast:
+            loss = model.loss(tokens.to(device), in_pos.to(device), out_pos.to(device), targets.to(device))
+        total += loss.float()
+    return (total / len(batches)).item()
+
+
+def numeric_metrics(metrics) -> bool:
+    return isinstance(metrics, dict) and bool(metrics) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values()
+    )
+
+
+@torch.no_grad()
+def sample_validity(model: torch.nn.Module, task, canvas: torch.Tensor, seed: int, device) -> dict:
+    """``task.evaluate`` of sequences sampled around the task's prompt: autoregressively in random
+    order for a σ-GPT, in T steps for a diffusion model."""
+    from .naive import generate
+
+    known = task.prompt_mask.to(device).expand(canvas.shape)  # (N, T)
+    g = torch.Generator(device=device).manual_seed(seed)
+    if diffusion.objective_of(model) == "diffusion":
+        samples = diffusion.generate(model, canvas.to(device), known=known, generator=g)
+    else:
+        samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g)
+    return task.evaluate(samples.cpu())

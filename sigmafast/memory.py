@@ -1,0 +1,162 @@
+"""Peak-memory estimates, checked before anything big is allocated.
+
+:func:`training_peak_bytes` estimates one training process's peak from the
+model config alone; :func:`sampling_peak_bytes` the largest tensors of one
+burst iteration. :func:`available_bytes` reads what the device has free, and
+:func:`check_training_memory` / :func:`check_sampling_memory` turn an estimate
+that exceeds it into a one-line ``ValueError`` naming what reduces it.
+
+The estimates count only the dominant terms: the activation term is within
+10% of the bytes autograd saves (``tests/test_memory.py``), and allocator
+slack, the CUDA context and the interpreter come on top. An estimate above the
+available memory therefore means the run clearly does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .model import SigmaGPTConfig
+
+GIB = 2**30
+# Mirrors sigmafast/loss.py: the chunked cross-entropy never holds more logits than this at a time.
+LOSS_CHUNK_ELEMENTS = 2**25
+FP32_BYTES = 4
+ADAMW_BYTES_PER_PARAM = 16  # fp32 weight, gradient, exp_avg and exp_avg_sq
+ACTIVATIONS_PER_LAYER = 16  # saved (token, channel) elements per layer, see training_peak_bytes
+ACTIVATIONS_OUTSIDE = 4  # embeddings (token + double position), final LayerNorm in and out
+LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32
+SAMPLING_CHECK_FLOOR = 256 * 2**20  # smaller burst iterations skip reading the free memory
+TRAINING_FLAGS = ("--batch-size (raise --grad-accum to keep the tokens per step), --seq-len, or the model "
+                  "(--preset, --n-embd, --n-layer)")
+
+
+def model_state_elements(config: SigmaGPTConfig) -> int:
+    """Parameters plus buffers of ``SigmaGPT(config)``, counted without building it.
+
+    Per block 12 C^2 weights (q/k/v 3, projection 1, MLP 4 + 4) and 13 C biases and
+    LayerNorm parameters (2 C without biases); the token embedding is tied to the LM
+    head (V C); positions are two learned (T + 1, C / 2) tables or one sinusoidal buffer.
+    """
+    C, n_pos = config.n_embd, config.block_size + 1
+    per_layer = 12 * C * C + (13 * C if config.bias else 2 * C)
+    positions = n_pos * C if config.pos_encoding == "learned" else n_pos * (C // 2)
+    final_norm = 2 * C if config.bias else C
+    return config.vocab_size * C + positions + config.n_layer * per_layer + final_norm
+
+
+def loss_chunk_rows(vocab_size: int) -> int:
+    """Rows of logits per chunk of the chunked cross-entropy."""
+    return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
+
+
+def training_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, activation_bytes: int = FP32_BYTES
+                        ) -> int:
+    """Estimated peak bytes of one training process (one micro-batch of ``batch_size`` x ``seq_len``).
+
+    With P parameters (+ buffers), L layers, width C, batch B, length T, vocabulary V
+    and ``activation_bytes`` s per activation (4 in fp32, 2 under bf16 autocast)::
+
+        16 P                                    fp32 weights, gradients, AdamW's two moments
+      + s B T C (16 L + 4)                      activations saved for the backward
+      + 4 * 3 min(B T, rows) V                  chunked loss: logits, softmax, gradient (fp32)
+
+    Per layer and (token, channel), nanoGPT-style (Korthikanti et al. 2022, table 2,
+    without dropout masks): the attention block saves its LayerNorm input, the q/k/v
+    projection input, q, k, v and the attention output (about 5 + the LayerNorm's 1);
+    the MLP saves its input, the 4C GELU input and the 4C GELU output (9); the second
+    LayerNorm 1: 16 in all. Attention is fused (scaled_dot_product_attention), so no
+    T x T matrix is stored. ``rows = max(1, 2**25 // V)``: the loss never holds more
+    than 2**25 logits at a time.
+    """
+    B, T = batch_size, seq_len
+    states = ADAMW_BYTES_PER_PARAM * model_state_elements(config)
+    per_token = config.n_embd * (ACTIVATIONS_PER_LAYER * config.n_layer + ACTIVATIONS_OUTSIDE)
+    activations = activation_bytes * B * T * per_token
+    loss = FP32_BYTES * LOSS_COPIES * min(B * T, loss_chunk_rows(config.vocab_size)) * config.vocab_size
+    return states + activations + loss
+
+
+def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,
+                        param_bytes: int, verifier_logits: bool = True) -> int:
+    """Estimated bytes of the largest tensors of one burst iteration.
+
+    With B rows, O orders, T positions (R <= T remaining), width C, L layers,
+    vocabulary V and ``param_bytes`` s::
+
+        16 B O T                  order keys (float64) and their argsort (int64)
+      + s B O T C (2 L + 6)       verification: every layer's keys and values, and the activations of one layer
+      + 4 B T V (O + 1)           draft logits, and the verifier's (fp32) when ``verifier_logits``
+
+    ``verifier_logits``: the reference scoring materialises the (B, O, R, V) verifier
+    logits; the Triton kernels score the drafts from hidden states in chunks (then O + 1
+    becomes 1).
+    """
+    B, O, T = batch_size, num_orders, seq_len
+    keys = 16 * B * O * T
+    verify = param_bytes * B * O * T * config.n_embd * (2 * config.n_layer + 6)
+    logits = FP32_BYTES * B * T * config.vocab_size * ((O + 1) if verifier_logits else 1)
+    return keys + verify + logits
+
+
+def _meminfo_available() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of ``device``: CUDA's free bytes, the CPU's available RAM; None when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    available = _meminfo_available()
+    if available is not None:
+        return available
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_training_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int, device: torch.device,
+                          activation_bytes: int = FP32_BYTES, available: Optional[int] = None) -> int:
+    """The :func:`training_peak_bytes` estimate; a ``ValueError`` naming the flags that reduce it when it
+    exceeds the available memory of ``device`` (read now unless ``available`` is given)."""
+    need = training_peak_bytes(config, batch_size, seq_len, activation_bytes)
+    have = available_bytes(device) if available is None else available
+    if have is not None and need > have:
+        raise ValueError(
+            f"training needs about {need / GIB:.1f} GiB (estimated peak) but {device} has {have / GIB:.1f} GiB "
+            f"available: reduce {TRAINING_FLAGS}"
+        )
+    return need
+
+
+def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,
+                          device: torch.device, param_bytes: int, verifier_logits: bool = True,
+                          available: Optional[int] = None) -> int:
+    """The :func:`sampling_peak_bytes` estimate; a ``ValueError`` naming ``num_orders`` and the batch
+    when it exceeds the available memory of ``device``. The free memory is read (unless ``available``
+    is given) only for estimates above ``SAMPLING_CHECK_FLOOR``: small calls cost nothing."""
+    need = sampling_peak_bytes(config, batch_size, num_orders, seq_len, param_bytes, verifier_logits)
+    if available is None and need < SAMPLING_CHECK_FLOOR:
+        return need
+    have = available_bytes(device) if available is None else available
+    if have is not None and need > have:
+        raise ValueError(
+            f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens needs about {need / GIB:.1f} GiB "
+            f"per burst iteration but {device} has {have / GIB:.1f} GiB available: reduce num_orders or the batch"
+        )
+    return need

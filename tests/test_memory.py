@@ -1,0 +1,81 @@
+"""Peak-memory estimates (sigmafast/memory.py): their terms against what PyTorch really holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sigmafast.memory import (
+    GIB, LOSS_CHUNK_ELEMENTS, available_bytes, check_training_memory, loss_chunk_rows, model_state_elements,
+    training_peak_bytes,
+)
+from sigmafast.model import SigmaGPT, SigmaGPTConfig
+
+CONFIGS = [
+    pytest.param(dict(n_layer=2, n_head=2, n_embd=64, vocab_size=100), 8, 64, id="tiny"),
+    pytest.param(dict(n_layer=4, n_head=4, n_embd=128, vocab_size=50, pos_encoding="learned"), 4, 128, id="small"),
+    pytest.param(dict(n_layer=3, n_head=2, n_embd=32, vocab_size=7, bias=False), 2, 16, id="no-bias"),
+]
+
+
+def _config(arch: dict, seq_len: int) -> SigmaGPTConfig:
+    return SigmaGPTConfig(block_size=seq_len, **arch)
+
+
+@pytest.mark.parametrize("arch,batch,seq_len", CONFIGS)
+def test_model_state_is_counted_without_building_the_model(arch, batch, seq_len):
+    cfg = _config(arch, seq_len)
+    model = SigmaGPT(cfg)
+    assert model_state_elements(cfg) == sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+
+
+@pytest.mark.parametrize("arch,batch,seq_len", CONFIGS)
+def test_activation_term_matches_the_bytes_autograd_saves(arch, batch, seq_len):
+    """The 4 B T C (16 L + 4) activation term against the storages saved for the backward of a real fp32
+    forward (up to the final LayerNorm; the loss is its own term). The estimate omits small tensors
+    (LayerNorm statistics, attention log-sum-exp), so it may differ by a few percent, never by 10%."""
+    cfg = _config(arch, seq_len)
+    torch.manual_seed(0)
+    model = SigmaGPT(cfg)
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len))
+    pos = torch.arange(seq_len).expand(batch, seq_len)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = model.embed(tokens, pos, pos)
+        for block in model.h:
+            x = block(x)
+        model.ln_f(x)
+    states = 16 * model_state_elements(cfg)
+    loss = 12 * min(batch * seq_len, loss_chunk_rows(cfg.vocab_size)) * cfg.vocab_size
+    estimate = training_peak_bytes(cfg, batch, seq_len) - states - loss
+    assert estimate == 4 * batch * seq_len * cfg.n_embd * (16 * cfg.n_layer + 4)
+    assert abs(sum(saved.values()) / estimate - 1) < 0.1, (sum(saved.values()), estimate)
+
+
+def test_loss_term_is_capped_by_the_chunk():
+    assert loss_chunk_rows(50257) == LOSS_CHUNK_ELEMENTS // 50257 == 667
+    assert loss_chunk_rows(2**26) == 1
+    cfg = SigmaGPTConfig(vocab_size=50257, block_size=1024, n_layer=2, n_head=2, n_embd=64)
+    small, big = training_peak_bytes(cfg, 32, 1024), training_peak_bytes(cfg, 64, 1024)
+    activations = 4 * 32 * 1024 * 64 * (16 * 2 + 4)
+    assert big - small == activations  # the loss term no longer grows with B T
+    assert training_peak_bytes(cfg, 32, 1024, activation_bytes=2) == small - activations // 2
+
+
+def test_available_memory_and_the_training_check():
+    have = available_bytes(torch.device("cpu"))
+    assert have is None or have > 0
+    cfg = SigmaGPTConfig(vocab_size=100, block_size=64, n_layer=2, n_head=2, n_embd=64)
+    need = training_peak_bytes(cfg, 8, 64)
+    assert check_training_memory(cfg, 8, 64, torch.device("cpu"), available=need) == need
+    with pytest.raises(ValueError, match=r"needs about .* GiB .* reduce --batch-size .*--seq-len.*--n-layer"):
+        check_training_memory(cfg, 8, 64, torch.device("cpu"), available=need - 1)
+    assert need < GIB
