@@ -47,7 +47,14 @@ PAPER_TASKS = ("owt", "wikitext103")
 # Per-task recipes, chosen from learning curves measured on a 2-core CPU (README, "Recipes"). They
 # fill the fields a user leaves unset. The task-level keys apply with any preset; the others (sizes,
 # schedule) only with the recipe's own preset.
-TASK_RECIPES: dict[str, dict] = {}
+TASK_RECIPES: dict[str, dict] = {
+    # rope: 26% -> 85-90% valid AR samples after 2000-4000 steps of the tiny model
+    "step": dict(pos_encoding="rope"),
+    # rope: random-order loss 4.42 after 1600 steps where sinusoidal stayed at 4.52 (uniform 4.61)
+    "permutation": dict(pos_encoding="rope"),
+    # rope + curriculum, small, T=256, 1500 steps: random-order 2.07 (sinusoidal 2.91), l2r 1.73 (GPT 1.645)
+    "char": dict(pos_encoding="rope", order="curriculum"),
+}
 TASK_LEVEL_FIELDS = ("pos_encoding", "order", "curriculum_start")
 
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding")

@@ -407,3 +407,22 @@ def test_script_trains_and_resumes(tmp_path, capsys):
     assert script.main(argv) == 0
     assert script.main(argv + ["--max-iters", "3", "--resume"]) == 0
     assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 3
+
+
+def test_task_recipes_fill_only_unset_fields(monkeypatch):
+    from sigmafast import train_config
+
+    cfg = resolve(TrainConfig(task="char"), seq_len=256)
+    assert (cfg.pos_encoding, cfg.order, cfg.curriculum_start) == ("rope", "curriculum", 0.5)
+    mine = resolve(TrainConfig(task="char", pos_encoding="learned", order="random"), seq_len=256)
+    assert (mine.pos_encoding, mine.order) == ("learned", "random")
+    assert resolve(TrainConfig(task="product"), seq_len=100).pos_encoding is None  # no recipe: the model default
+    recipe = dict(preset="small", n_embd=96, max_iters=77, pos_encoding="rope", order="fractal")
+    monkeypatch.setitem(train_config.TASK_RECIPES, "maze", recipe)
+    cfg = TrainConfig(task="maze")
+    assert cfg.preset == "small" and cfg.architecture()["n_embd"] == 96
+    assert resolve(cfg, seq_len=546).max_iters == 77
+    other = TrainConfig(task="maze", preset="tiny")  # another preset: only the task-level fields apply
+    assert other.architecture()["n_embd"] == 64 and other.architecture()["pos_encoding"] == "rope"
+    resolved = resolve(other, seq_len=546)
+    assert resolved.max_iters == train_config.TRAIN_PRESETS["tiny"]["max_iters"] and resolved.order == "fractal"
