@@ -6,6 +6,19 @@ double positional encoding with in_pos = out_pos = i, plus an embedding of the
 diffusion time t shared by every token of the row, and the blocks run with
 full (non-causal) attention through :meth:`SigmaGPT.run_layers`. The head
 gives p_θ(x_0 | x_t) at every position; the MASK / BOS id is never predicted.
+
+Uniform noise, ``parameterization="factored"`` (the default): token i of x_t
+is a noisy copy of x_0^i alone, so the exact posterior factors as
+
+    p(x_0^i = v | x_t) ∝ p(x_0^i = v | x_t^{-i}) q(x_t^i | x_0^i = v),
+
+and the model adds the known log q(x_t^i | x_0^i = v) = log(α_t δ(v = x_t^i) +
+(1 - α_t)/K) to the network's logits, which then only have to learn the
+first factor. ``"plain"`` leaves the whole law to the network, which must then
+learn the likelihood term itself; it is steep in t near t = 0 (its log-odds
+grow like log(2/t)), and a tiny network learns it with errors of several
+points where the last reverse steps use it (see ``tests/test_diffusion.py``).
+Absorbing noise needs no such term: a clean token is carried over exactly.
 """
 
 from __future__ import annotations
@@ -19,19 +32,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..model import SigmaGPT, SigmaGPTConfig
-from .noise import NOISES
+from .noise import NOISES, marginal
 
 OBJECTIVES = ("sigma", "diffusion")
+PARAMETERIZATIONS = ("factored", "plain")
 TIME_SCALE = 1000.0  # t ∈ [0, 1] is embedded as the "step" 1000 t, as in DDPM
 
 
 @dataclass
 class DiffusionConfig:
     noise: str = "uniform"
+    parameterization: str = "factored"  # uniform noise only; see the module docstring
 
     def __post_init__(self) -> None:
         if self.noise not in NOISES:
             raise ValueError(f"DiffusionConfig.noise must be one of {NOISES}, got {self.noise!r}")
+        if self.parameterization not in PARAMETERIZATIONS:
+            raise ValueError(f"DiffusionConfig.parameterization must be one of {PARAMETERIZATIONS}, "
+                             f"got {self.parameterization!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,7 +60,7 @@ class DiffusionConfig:
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown DiffusionConfig fields: {sorted(unknown)}")
-        return cls(**d)
+        return cls(**{"parameterization": "plain", **d})  # checkpoints older than the field are "plain"
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -126,6 +144,9 @@ class DiffusionGPT(nn.Module):
         x = self.backbone.embed(x_t, pos, pos) + self.time_embed(t)[:, None, :]  # (B, T, C)
         h = self.backbone.run_layers(x, self.attend, self.backbone.rotary(pos, pos))  # (B, T, C)
         logits = self.backbone.lm_head(h)  # (B, T, V)
+        if self.noise == "uniform" and self.diffusion_config.parameterization == "factored":
+            likelihood = marginal(x_t, t, "uniform", self.config.vocab_size, self.mask_id)  # q(x_t^i | x_0^i = v)
+            logits = logits + likelihood.log().to(logits.dtype)
         return logits.masked_fill(self.never_predicted, float("-inf"))
 
 
