@@ -9,7 +9,8 @@ validity against the mean number of burst iterations for 1…N verification
 orders (and the lossless rule), with the paper's / theory's step counts and
 the autoregressive step count as vertical lines. Top row: exact oracles;
 bottom row: the small trained models. The throughput figure shows tokens/s
-per strategy. Plotting needs matplotlib (``pip install -e ".[plot]"``); the
+per strategy. ``steps_quality.png`` (``bench_steps_quality.py``) puts σ-GPT (AR, burst), the exact
+oracle and discrete diffusion on one metric-vs-steps panel per task. Plotting needs matplotlib (``pip install -e ".[plot]"``); the
 markdown tables do not.
 """
 
@@ -22,7 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "benchmarks"
-MY_KINDS = ("oracle_steps", "model_steps", "throughput", "orders")
+MY_KINDS = ("oracle_steps", "model_steps", "throughput", "orders", "steps_quality")
+FAMILY_LABELS = {"sigma": "σ-GPT", "oracle": "exact oracle", "diffusion-absorbing": "diffusion (absorbing)",
+                 "diffusion-uniform": "diffusion (uniform)"}
 TASK_ORDER = ("product", "step", "permutation", "maze", "char")
 
 
@@ -125,6 +128,23 @@ def orders_table(entries: list[dict]) -> str:
                   "l2r val loss", "budget"], rows)
 
 
+def quality_label(e: dict) -> str:
+    return f"S = {e['diffusion_steps']}" if e["strategy"] == "diffusion" else rule_label(e)
+
+
+def _quality_rank(e: dict) -> tuple:
+    return (_rank(e["task"]), list(FAMILY_LABELS).index(e["family"]), e["steps_mean"])
+
+
+def steps_quality_table(entries: list[dict]) -> str:
+    rows = []
+    for e in sorted(entries, key=_quality_rank):
+        lo, hi = e["metric_ci95"]
+        rows.append([e["task"], FAMILY_LABELS[e["family"]], quality_label(e), fmt(e["steps_mean"], 1),
+                     f"{e['metric_name']} {e['metric_value']:.3f}", f"[{lo:.3f}, {hi:.3f}]", e["n_sequences"]])
+    return table(["task", "family", "method", "mean steps", "metric", "95% CI (Wilson)", "n"], rows)
+
+
 def other_table(benchmarks: list[dict]) -> str:
     rows = []
     for b in benchmarks:
@@ -149,6 +169,8 @@ def markdown(machine: dict, benchmarks: list[dict]) -> str:
         ("Steps: small trained models", model_table, by_kind(benchmarks, "model_steps")),
         ("Throughput", throughput_table, by_kind(benchmarks, "throughput")),
         ("Orders and position encodings (validation loss, nats/token)", orders_table, by_kind(benchmarks, "orders")),
+        ("Steps against quality: σ-GPT against diffusion (same backbone and budget)", steps_quality_table,
+         by_kind(benchmarks, "steps_quality")),
     ]
     for title, fn, entries in sections:
         if entries:
@@ -268,7 +290,43 @@ def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
     orders = by_kind(benchmarks, "orders")
     if orders:
         written.append(_plot_orders(plt, orders, machine, out_dir / "orders.png"))
+    quality = by_kind(benchmarks, "steps_quality")
+    if quality:
+        written.append(_plot_steps_quality(plt, quality, machine, out_dir / "steps_quality.png"))
     return written
+
+
+def _plot_steps_quality(plt, entries: list[dict], machine: dict, path: Path) -> Path:
+    """Per task: metric (95% Wilson CI) against mean steps, one line per method family; σ-GPT and
+    oracle lines join AR and the paper-rule bursts, lossless bursts are squares."""
+    tasks = _ordered({e["task"] for e in entries})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        for i, family in enumerate(FAMILY_LABELS):
+            points = sorted((e for e in entries if e["task"] == task and e["family"] == family),
+                            key=lambda e: e["steps_mean"])
+            lossless = [e for e in points if e.get("acceptance") == "lossless"]
+            line = [e for e in points if e not in lossless]
+            for group, style in ((line, dict(marker="o")), (lossless, dict(marker="s", ls="none"))):
+                if group:
+                    ys = [e["metric_value"] for e in group]
+                    err = [[y - e["metric_ci95"][0] for e, y in zip(group, ys)],
+                           [e["metric_ci95"][1] - y for e, y in zip(group, ys)]]
+                    ax.errorbar([e["steps_mean"] for e in group], ys, yerr=err, capsize=2, color=f"C{i}",
+                                label=FAMILY_LABELS[family] + (" lossless" if group is lossless else ""), **style)
+        first = next(e for e in entries if e["task"] == task)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("mean model steps per sequence")
+        ax.set_ylabel(first["metric_name"])
+        ax.set_title(f"{task} (T={first['seq_len']}, n={first['n_sequences']} per point)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"Quality against steps — {device_title(machine)}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def _plot_orders(plt, entries: list[dict], machine: dict, path: Path) -> Path:
@@ -298,7 +356,7 @@ def _plot_orders(plt, entries: list[dict], machine: dict, path: Path) -> Path:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", type=Path, help="pytest-benchmark JSON (--benchmark-json=PATH)")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where steps.png / throughput.png go")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where the .png figures go")
     parser.add_argument("--markdown", action="store_true", help="print the RESULTS.md tables instead of plotting")
     args = parser.parse_args(argv)
     if not args.json.is_file():

@@ -1,0 +1,150 @@
+"""Steps against quality: σ-GPT (random-order AR, burst) against discrete diffusion on the same backbone.
+
+The paper's claim to check: at an equal number of model steps, σ-GPT burst
+sampling beats a discrete-diffusion baseline. For the step, permutation and
+maze tasks this records the task's primary metric (``valid`` / ``correct``,
+with a 95% Wilson interval and n) against the mean number of model steps for
+
+* ``sigma``: the σ-GPT of ``_models.py`` in random-order AR (steps = the
+  number of unknown positions), burst lossless, and burst with the paper rule
+  for 1/2/5/10 orders (steps = burst iterations; one iteration is a draft and
+  a verification pass);
+* ``oracle``: the exact oracle (``task.oracle()``) under the same AR and burst
+  samplers, the optimum (step and permutation; maze has none, and diffusion no
+  oracle analogue);
+* ``diffusion-absorbing`` / ``diffusion-uniform``: ``sigmafast.diffusion``
+  models with the σ-GPT's task, preset, budget and learning rate, sampled
+  with S ∈ {1, 2, 4, 8, 16, 32, 64, T} steps (T = the unknown positions).
+
+Budgets: the default fits a 2-core CPU (64 sequences, 32 for maze, and
+S ∈ {1, 4, 16, T}); ``SIGMAFAST_BENCH_FULL=1`` samples 1000 sequences per
+point with every S. Models are trained once into the cache (``_models.py``).
+``scripts/plot_benchmarks.py`` draws ``steps_quality.png`` and the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import sigmafast
+from _common import bench_full, device_info, primary_metric, summarize, synchronize
+from _models import ModelSpec, spec
+from bench_steps import _canvas, _check_sample
+from sigmafast import diffusion
+from sigmafast.tasks import get_task
+
+TASKS = ("step", "permutation", "maze")
+NOISES = ("absorbing", "uniform")
+SIGMA_METHODS = [("autoregressive", "paper", 1, "ar")] + [("burst", "lossless", 1, "burst-lossless")] + [
+    ("burst", "paper", n, f"burst-paper-o{n}") for n in (1, 2, 5, 10)
+]
+DIFFUSION_STEPS = (1, 2, 4, 8, 16, 32, 64, "T") if bench_full() else (1, 4, 16, "T")
+Z95 = 1.959964
+
+
+def n_sequences(task_name: str) -> int:
+    if bench_full():
+        return 1000
+    return 32 if task_name == "maze" else 64
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% by default)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be in 0..n = 0..{n}, got {successes!r}")
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def diffusion_spec(task_name: str, noise: str) -> ModelSpec:
+    """The σ-GPT recipe of ``task_name`` (same preset, budget, lr, position encoding) as a diffusion model."""
+    base = spec(task_name)
+    overrides = {**base.overrides, "objective": "diffusion", "diffusion_noise": noise}
+    return dataclasses.replace(base, name=f"{base.name}-diffusion-{noise}", overrides=overrides)
+
+
+def cases() -> list:
+    out = []
+    for task in TASKS:
+        for family in ("sigma", "oracle"):
+            if family == "oracle" and task == "maze":
+                continue
+            out += [pytest.param(task, family, m, rule, n, id=f"{task}-{family}-{sid}")
+                    for m, rule, n, sid in SIGMA_METHODS]
+        for noise in NOISES:
+            out += [pytest.param(task, f"diffusion-{noise}", "diffusion", None, s,
+                                 id=f"{task}-diffusion-{noise}-S{s}") for s in DIFFUSION_STEPS]
+    return out
+
+
+def _model(models, device, task_name: str, family: str):
+    """(model or oracle, task, training summary, device to sample on) of one case."""
+    if family == "oracle":
+        task = get_task(task_name)
+        return task.oracle(), task, {}, torch.device("cpu")
+    bm = models.get(task_name, device) if family == "sigma" else models.get_spec(
+        diffusion_spec(task_name, family.split("-", 1)[1]), device)
+    info = dict(n_params=bm.info["n_params"], preset=bm.spec.preset, train_iters=bm.spec.max_iters,
+                train_seconds=bm.info.get("train_seconds"), final_eval=bm.info.get("final_eval"))
+    return bm.model, bm.task, info, device
+
+
+def _sampler(model, family: str, strategy: str, rule, num):
+    """generate(canvas, known, generator) -> (tokens, stats) for one method."""
+    if family.startswith("diffusion"):
+        return lambda canvas, known, g, steps: diffusion.generate(model, canvas, known=known, steps=steps,
+                                                                  generator=g, return_stats=True)
+    return lambda canvas, known, g, steps: sigmafast.generate(model, canvas, known=known, strategy=strategy,
+                                                              num_orders=num, acceptance=rule, generator=g,
+                                                              return_stats=True)
+
+
+@pytest.mark.parametrize("task_name,family,strategy,rule,num", cases())
+def test_steps_quality(benchmark, task_name, family, strategy, rule, num, models, device):
+    model, task, train_info, dev = _model(models, device, task_name, family)
+    n = n_sequences(task_name)
+    canvas, known = _canvas(task, n, dev)
+    n_unknown = (~known).sum(1)
+    T = int(n_unknown.max())
+    steps = None
+    if strategy == "diffusion":
+        steps = T if num == "T" else num
+        if steps > T:
+            pytest.skip(f"S={steps} exceeds the {T} unknown positions")
+    generate = _sampler(model, family, strategy, rule, num)
+    warm, _ = generate(canvas[:2], known[:2], torch.Generator(dev).manual_seed(1), steps)
+    _check_sample(warm, canvas[:2], known[:2], task.vocab_size)
+
+    def run():
+        out = generate(canvas, known, torch.Generator(dev).manual_seed(1234), steps)
+        synchronize(dev)
+        return out
+
+    tokens, stats = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    _check_sample(tokens, canvas, known, task.vocab_size)
+    metrics = {k: float(v) for k, v in task.evaluate(tokens.cpu()).items()}
+    name, value = primary_metric(task, metrics)
+    successes = round(value * n)
+    lo, hi = wilson(successes, n)
+    benchmark.extra_info.update(
+        kind="steps_quality", task=task_name, seq_len=task.seq_len, family=family, strategy=strategy,
+        acceptance=rule, num_orders=num if strategy != "diffusion" else None, diffusion_steps=steps,
+        n_sequences=n, ar_iterations=float(n_unknown.double().mean()), steps_mean=stats.mean_iterations,
+        metric_name=name, metric_value=value, metric_ci95=[lo, hi], metrics=metrics,
+        **train_info, **summarize(stats, n_unknown), **device_info(dev),
+    )
+    if strategy == "autoregressive":
+        assert torch.equal(stats.iterations.cpu(), n_unknown.cpu()), "AR takes one step per unknown position"
+    if strategy == "diffusion":
+        assert stats.forward_calls == steps, "diffusion makes one model call per step"
+    if family == "oracle":
+        assert value == 1.0, f"exact oracle produced invalid {task_name} samples ({metrics})"
