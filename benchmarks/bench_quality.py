@@ -28,9 +28,8 @@ import pytest
 import torch
 
 import sigmafast
-from _common import bench_full, device_info, primary_metric, synchronize
+from _common import bench_full, device_info, primary_metric, synchronize, wilson_interval
 
-Z95 = 1.959963984540054  # two-sided 95% normal quantile
 SAMPLES = 2000 if bench_full() else 256
 CHUNK = 256  # sequences per generate call
 METHODS = {
@@ -44,17 +43,6 @@ METHODS = {
     "paper, 5 orders, T=0.7": dict(strategy="burst", acceptance="paper", num_orders=5, temperature=0.7),
 }
 SAME_LAW = [("AR", "lossless"), ("AR, T=0.7", "lossless, T=0.7")]
-
-
-def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (Wilson 1927)."""
-    if n < 1 or not 0 <= successes <= n:
-        raise ValueError(f"need 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
-    p = successes / n
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, center - half), min(1.0, center + half)
 
 
 def two_proportion_p_value(k1: int, n1: int, k2: int, n2: int) -> float:

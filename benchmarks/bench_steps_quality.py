@@ -25,13 +25,12 @@ point with every S. Models are trained once into the cache (``_models.py``).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
 import sigmafast
-from _common import bench_full, device_info, primary_metric, summarize, synchronize
+from _common import bench_full, device_info, primary_metric, summarize, synchronize, wilson_interval
 from _models import ModelSpec, spec
 from bench_steps import _canvas, _check_sample
 from sigmafast import diffusion
@@ -43,26 +42,12 @@ SIGMA_METHODS = [("autoregressive", "paper", 1, "ar")] + [("burst", "lossless", 
     ("burst", "paper", n, f"burst-paper-o{n}") for n in (1, 2, 5, 10)
 ]
 DIFFUSION_STEPS = (1, 2, 4, 8, 16, 32, 64, "T") if bench_full() else (1, 4, 16, "T")
-Z95 = 1.959964
 
 
 def n_sequences(task_name: str) -> int:
     if bench_full():
         return 1000
     return 32 if task_name == "maze" else 64
-
-
-def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (95% by default)."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    if not 0 <= successes <= n:
-        raise ValueError(f"successes must be in 0..n = 0..{n}, got {successes!r}")
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def diffusion_spec(task_name: str, noise: str) -> ModelSpec:
@@ -134,7 +119,7 @@ def test_steps_quality(benchmark, task_name, family, strategy, rule, num, models
     metrics = {k: float(v) for k, v in task.evaluate(tokens.cpu()).items()}
     name, value = primary_metric(task, metrics)
     successes = round(value * n)
-    lo, hi = wilson(successes, n)
+    lo, hi = wilson_interval(successes, n)
     benchmark.extra_info.update(
         kind="steps_quality", task=task_name, seq_len=task.seq_len, family=family, strategy=strategy,
         acceptance=rule, num_orders=num if strategy != "diffusion" else None, diffusion_steps=steps,

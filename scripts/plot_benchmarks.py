@@ -258,11 +258,8 @@ def plot(benchmarks: list[dict], machine: dict, out_dir: Path) -> list[Path]:
             _steps_panel(ax, entries, f"{name} ({'exact oracle' if kind == 'oracle' else 'small model'})")
         for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")
-        fig.suptitle(f"Validity vs burst iterations — {device_title(machine)}", fontsize=11)
-        fig.tight_layout()
-        written.append(out_dir / "steps.png")
-        fig.savefig(written[-1], dpi=80)
-        plt.close(fig)
+        written.append(_save(plt, fig, f"Validity vs burst iterations — {device_title(machine)}",
+                             out_dir / "steps.png"))
     tp = by_kind(benchmarks, "throughput")
     if tp:
         groups = sorted({(e["model"], e["new_tokens"], e["batch_size"]) for e in tp})
@@ -322,11 +319,7 @@ def _plot_steps_quality(plt, entries: list[dict], machine: dict, path: Path) -> 
         ax.set_title(f"{task} (T={first['seq_len']}, n={first['n_sequences']} per point)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"Quality against steps — {device_title(machine)}", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"Quality against steps — {device_title(machine)}", path)
 
 
 def _plot_orders(plt, entries: list[dict], machine: dict, path: Path) -> Path:
@@ -346,7 +339,12 @@ def _plot_orders(plt, entries: list[dict], machine: dict, path: Path) -> Path:
         ax.set_title(f"{task} ({runs[0]['preset']}, T={runs[0]['seq_len']})", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"Training orders and position encodings — {device_title(machine)}", fontsize=11)
+    return _save(plt, fig, f"Training orders and position encodings — {device_title(machine)}", path)
+
+
+def _save(plt, fig, title: str, path: Path) -> Path:
+    """Title, lay out, write and close a figure."""
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

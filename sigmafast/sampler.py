@@ -59,9 +59,9 @@ import torch
 
 from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
-                      nonfinite_error, prepare)
+                      nonfinite, nonfinite_error, prepare)
 from .runner import Engine, runner_for
-from .steps import ARPlan, nonfinite
+from .steps import ARPlan
 
 __all__ = ["generate", "warmup", "conditional_density", "log_likelihood", "SampleStats"]
 
@@ -326,7 +326,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
             logits = session.verify(order[:, None], targets[:, None]).logits[:, 0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    if not bool(torch.isfinite(logits.amax(-1)).all()):  # every row is used
+    if bool(nonfinite(logits)):  # every row is used
         raise nonfinite_error("logits")
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1).sum(-1)

@@ -27,7 +27,7 @@ import torch
 from . import kernels
 from .engine import Verified
 from .kernels import Acceptance
-from .request import BurstDraws
+from .request import BurstDraws, nonfinite
 
 MIN_BUCKET = 16
 
@@ -61,15 +61,6 @@ class ARPlan(NamedTuple):
 
 def _backend(session) -> Optional[str]:
     return getattr(session, "backend", None)
-
-
-def nonfinite(values: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
-    """() bool: some used row of ``values`` (..., N) holds a NaN or +inf, or has no finite entry.
-
-    ``used`` (the leading dims of ``values``, broadcastable) masks padding and finished rows. A row's
-    maximum is finite exactly when the row is usable: NaN propagates through it, and an oracle's
-    -inf (probability 0) entries are fine as long as one entry is finite."""
-    return (~torch.isfinite(values.amax(-1)) & used).any()
 
 
 def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Optional[int]) -> Drafts:

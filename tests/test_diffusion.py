@@ -20,14 +20,6 @@ from helpers import chi2_pvalue, tiny_model
 P_MIN = 1e-4  # a correct law passes every seeded chi-square test at this level
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_diffusion(noise: str, vocab_size: int = 5, block_size: int = 8, seed: int = 0,
                    pos_encoding: str = "sinusoidal") -> DiffusionGPT:
     """A random 2-layer DiffusionGPT whose weights are scaled up, so its x0 laws are far from uniform."""

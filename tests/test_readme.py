@@ -24,7 +24,6 @@ INFILL_FLAG = re.compile(r'--infill "([^"]*)"')
 def quick_start_dir(tmp_path_factory):
     """A folder holding out/ckpt.pt and out/diffusion/ckpt.pt, the paths the README's snippets read."""
     root = tmp_path_factory.mktemp("quick_start")
-    torch.set_num_threads(1)
     common = dict(task="step", preset="tiny", max_iters=2, batch_size=4, warmup_iters=1, eval_interval=2,
                   eval_iters=1, num_eval_samples=0)
     train(TrainConfig(**common, out_dir=str(root / "out")))
