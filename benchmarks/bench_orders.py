@@ -17,7 +17,8 @@ Budgets:
 * ``SIGMAFAST_ORDERS_STEPS=N`` overrides the number of steps of either.
 
 Cases: every encoding in random order, plus left-to-right and curriculum
-for the default encoding and for sinusoidal (the paper's).
+for sinusoidal (the paper's), rope and rope-v. Every case keeps its preset's
+architecture, whatever the task recipe's width.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import pytest
 from _common import bench_full, device_info
 from _models import ModelSpec
 from sigmafast.checkpoint import read_checkpoint
-from sigmafast.model import POS_ENCODINGS
+from sigmafast.model import POS_ENCODINGS, PRESETS
 
 TASKS = ("char", "permutation")
-BASELINE_ENCODINGS = ("sinusoidal", "rope")  # also trained left-to-right and with the curriculum
+BASELINE_ENCODINGS = ("sinusoidal", "rope", "rope-v")  # also trained left-to-right and with the curriculum
 
 
 def budget() -> dict:
@@ -60,7 +61,8 @@ def orders_spec(task: str, pos_encoding: str, order: str) -> ModelSpec:
     return ModelSpec(
         name=f"orders-{task}-{pos_encoding}-{order}", task=task, preset=b["preset"], max_iters=b["steps"],
         batch_size=b["batch_size"], lr=3e-3, seq_len=b["char_len"] if task == "char" else None,
-        overrides=dict(pos_encoding=pos_encoding, order=order, eval_interval=b["eval_interval"],
+        overrides=dict(**{k: PRESETS[b["preset"]][k] for k in ("n_layer", "n_head", "n_embd")},
+                       pos_encoding=pos_encoding, order=order, eval_interval=b["eval_interval"],
                        eval_iters=b["eval_iters"], warmup_iters=min(50, b["steps"] // 10)),
     )
 

@@ -18,6 +18,15 @@ depends on ``out_pos_query - in_pos_key``: how far the visited token sits from
 the position being predicted. Keys are rotated once, when computed, so a KV
 cache stores rotated keys and the attention kernels take q and k as they are.
 
+``pos_encoding="rope-v"`` (and ``"rope-v+sinusoidal"`` / ``"rope-v+learned"``)
+also rotates each value by ``in_pos`` and each head's attention output back by
+``out_pos``, so the output is ``sum_i a_i R(in_pos_i - out_pos) v_i``: what a
+head reads carries the offset of the token it read from, not only its content.
+With plain RoPE the residual stream never sees a position, and the model cannot
+tell *where* the visited token it attended to sits. The rotation back is applied
+after the attention, per query, so the KV cache (rotated values) and the
+attention kernels are unchanged here too.
+
 The per-layer pieces (``CausalSelfAttention.qkv`` / ``.project``, ``MLP``) work
 on any number of leading dimensions, so the KV-cached inference path can run
 burst ``(B, R, C)`` and multi-order ``(B, O, R, C)`` activations through the
@@ -36,7 +45,11 @@ import torch.nn.functional as F
 
 from .loss import linear_cross_entropy
 
-POS_ENCODINGS = ("sinusoidal", "learned", "rope", "rope+sinusoidal", "rope+learned")
+POS_ENCODINGS = (
+    "sinusoidal", "learned",
+    "rope", "rope+sinusoidal", "rope+learned",
+    "rope-v", "rope-v+sinusoidal", "rope-v+learned",
+)
 ROPE_BASE = 10000.0
 PE_SCALE = 0.02 * math.sqrt(2.0)  # channel RMS 0.02, as the token embeddings at init
 
@@ -101,10 +114,15 @@ class SigmaGPTConfig:
         return self.pos_encoding.startswith("rope")
 
     @property
+    def rotary_values(self) -> bool:
+        """Whether values are rotated too, and attention outputs rotated back (``rope-v``)."""
+        return self.pos_encoding.startswith("rope-v")
+
+    @property
     def absolute(self) -> Optional[str]:
         """The absolute encoding added to the embeddings ("sinusoidal", "learned") or None."""
-        name = self.pos_encoding.removeprefix("rope").removeprefix("+")
-        return name or None
+        name = self.pos_encoding.split("+")[-1]
+        return None if name.startswith("rope") else name
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,12 +163,17 @@ def sinusoidal_table(n_pos: int, dim: int, scale: float = PE_SCALE) -> torch.Ten
 
 
 class Rotary(NamedTuple):
-    """Rotation angles of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D/2) each."""
+    """Rotation angles of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D/2) each.
+
+    With ``values`` the values are rotated as the keys, and :meth:`restore` rotates
+    each attention output back by its query's angle (``rope-v``).
+    """
 
     cos_q: torch.Tensor
     sin_q: torch.Tensor
     cos_k: torch.Tensor
     sin_k: torch.Tensor
+    values: bool = False
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,8 +181,16 @@ class Rotary(NamedTuple):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(q, self.cos_q, self.sin_q), self.rotate(k, self.cos_k, self.sin_k)
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (..., H, T, D) -> q rotated by ``out_pos``, k (and v with ``values``) by ``in_pos``."""
+        q, k = self.rotate(q, self.cos_q, self.sin_q), self.rotate(k, self.cos_k, self.sin_k)
+        return q, k, self.rotate(v, self.cos_k, self.sin_k) if self.values else v
+
+    def restore(self, y: torch.Tensor) -> torch.Tensor:
+        """(..., H, T, D) attention output, rotated back by ``out_pos`` with ``values``; else unchanged."""
+        return self.rotate(y, self.cos_q, -self.sin_q) if self.values else y
 
 
 def rotary_tables(n_pos: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,17 +211,19 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def qkv(self, x: torch.Tensor, rotary: Optional[Rotary] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(..., T, C) -> q, k, v each (..., H, T, D); q and k rotated when ``rotary`` is given."""
+        """(..., T, C) -> q, k, v each (..., H, T, D), rotated as ``rotary`` says when it is given."""
         *lead, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=-1)
         shape = (*lead, T, self.n_head, self.head_dim)
         q, k, v = (t.view(shape).transpose(-3, -2) for t in (q, k, v))
         if rotary is not None:
-            q, k = rotary.apply(q, k)
+            q, k, v = rotary.apply(q, k, v)
         return q, k, v
 
-    def project(self, y: torch.Tensor) -> torch.Tensor:
-        """(..., H, T, D) attention output -> (..., T, C) residual update."""
+    def project(self, y: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
+        """(..., H, T, D) attention output -> (..., T, C) residual update (rotated back by ``rotary``)."""
+        if rotary is not None:
+            y = rotary.restore(y)
         *lead, H, T, D = y.shape
         y = y.transpose(-3, -2).reshape(*lead, T, H * D)
         return self.resid_dropout(self.c_proj(y))
@@ -200,7 +233,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.project(y)
+        return self.project(y, rotary)
 
 
 class MLP(nn.Module):
@@ -294,18 +327,18 @@ class SigmaGPT(nn.Module):
             return None
         angles = [t[out_pos].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin)]  # (..., 1, T, D/2)
         angles += [t[in_pos].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin)]
-        return Rotary(*angles)
+        return Rotary(*angles, values=self.config.rotary_values)
 
     def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None) -> torch.Tensor:
         """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
 
-        x is (..., T, C); q, k, v and y are (..., H, T, D), q and k already
-        rotated by ``rotary`` (from :meth:`rotary`) when given. Returns the
+        x is (..., T, C); q, k, v and y are (..., H, T, D), already rotated by
+        ``rotary`` (from :meth:`rotary`) when given, and y is rotated back by it. Returns the
         final hidden states after ``ln_f``, (..., T, C).
         """
         for i, block in enumerate(self.h):
             q, k, v = block.attn.qkv(block.ln_1(x), rotary)
-            x = x + block.attn.project(attend(i, q, k, v))
+            x = x + block.attn.project(attend(i, q, k, v), rotary)
             x = x + block.mlp(block.ln_2(x))
         return self.ln_f(x)
 

@@ -164,7 +164,7 @@ def test_diffusion_config_parameterization():
 # --- sampler ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "rope"])
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "rope", "rope-v"])
 def test_the_backbone_sees_positions(pos_encoding):
     """Swapping two tokens changes the x0 law at a third position: attention without any position
     information would be a set function there (the rotary encoding must reach the backbone)."""

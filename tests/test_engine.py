@@ -77,9 +77,10 @@ def test_burst_step_compiles_without_graph_breaks(model, backend, rule, num_orde
     assert want[2][0][0].sum() > 0  # the steps did commit tokens
 
 
+@pytest.mark.parametrize("pos_encoding", ["rope", "rope-v"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_rotary_burst_step_compiles_without_graph_breaks(backend):
-    rope = tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32, pos_encoding="rope")
+def test_rotary_burst_step_compiles_without_graph_breaks(backend, pos_encoding):
+    rope = tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32, pos_encoding=pos_encoding)
     torch._dynamo.reset()
     compiled = torch.compile(steps.burst_step, fullgraph=True, backend="aot_eager")
     with torch.no_grad():

@@ -20,7 +20,7 @@ def inputs(B=3, T=9, V=11, seed=0, block_size=16):
     return orders.shuffle(x, order, bos=V - 1, start_pos=block_size)
 
 
-@pytest.fixture(params=["sinusoidal", "learned", "rope", "rope+sinusoidal"])
+@pytest.fixture(params=["sinusoidal", "learned", "rope", "rope+sinusoidal", "rope-v"])
 def model(request):
     torch.manual_seed(0)
     return SigmaGPT(tiny_config(pos_encoding=request.param)).eval()
@@ -156,8 +156,29 @@ def test_rope_keeps_norms_and_has_no_absolute_table():
     x = torch.randn(2, 2, 5, 32)  # (B, H, T, D)
     pos = torch.tensor([[0, 3, 7, 16, 2], [1, 1, 9, 4, 12]])
     rot = model.rotary(pos, pos)
-    q, _ = rot.apply(x, x)
+    q, _, v = rot.apply(x, x, x)
     torch.testing.assert_close(q.norm(dim=-1), x.norm(dim=-1))
+    assert v is x  # plain rope leaves the values alone
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "rope-v"])
+def test_rope_v_outputs_carry_the_offset_of_what_was_read(pos_encoding):
+    """With rope-v a head's output is sum_i a_i R(in_pos_i - out_pos) v_i: it moves with the offsets
+    and only with them. Plain rope's output (given the weights) does not see positions at all."""
+    model = SigmaGPT(tiny_config(pos_encoding=pos_encoding))
+    v = torch.randn(1, 2, 4, 32, generator=torch.Generator().manual_seed(0))  # (B, H, T, D)
+    weights = torch.tensor([0.1, 0.2, 0.3, 0.4])
+
+    def read(in_pos: list[int], out_pos: int) -> torch.Tensor:
+        rot = model.rotary(torch.tensor([in_pos]), torch.tensor([[out_pos] * 4]))
+        _, _, rv = rot.apply(v, v, v)
+        y = (weights[:, None] * rv).sum(-2, keepdim=True).expand_as(rv)  # every query reads the same mix
+        return rot.restore(y)
+
+    base = read([0, 3, 5, 9], 7)
+    torch.testing.assert_close(read([6, 9, 11, 15], 13), base, rtol=1e-5, atol=1e-5)  # same offsets
+    moved = read([0, 3, 6, 9], 7)  # one visited token elsewhere
+    assert torch.allclose(moved, base, atol=1e-5) == (pos_encoding == "rope")
 
 
 @pytest.mark.parametrize(

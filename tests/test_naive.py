@@ -197,7 +197,7 @@ def test_every_bucket_matches_naive(strategy, acceptance, num_orders):
         assert {R for _, R in used} >= {40, 16}, used
 
 
-@pytest.mark.parametrize("pos_encoding", ["rope", "rope+sinusoidal"])
+@pytest.mark.parametrize("pos_encoding", ["rope", "rope+sinusoidal", "rope-v", "rope-v+learned"])
 @pytest.mark.parametrize("kind", ["prompt", "infill"])
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
     pytest.param("autoregressive", "paper", 1, id="autoregressive"),
@@ -206,8 +206,8 @@ def test_every_bucket_matches_naive(strategy, acceptance, num_orders):
 ])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
 def test_rotary_models_match_naive(pos_encoding, kind, strategy, acceptance, num_orders, buckets):
-    """Rotated keys in the cache, the draft's per-position query rotation and the multi-order
-    verification reproduce the full forward of the naive sampler."""
+    """Rotated keys (and values) in the cache, the draft's per-position query rotation (and output
+    rotation back) and the multi-order verification reproduce the full forward of the naive sampler."""
     rope_model = tiny_model(VOCAB, T, seed=5, std=0.5, pos_encoding=pos_encoding)
     idx, kwargs = _inputs(kind, 3)
     engine = sigmafast.Engine(rope_model, buckets=buckets)
