@@ -413,7 +413,7 @@ def test_task_recipes_fill_only_unset_fields(monkeypatch):
     from sigmafast import train_config
 
     cfg = resolve(TrainConfig(task="char"), seq_len=256)
-    assert (cfg.pos_encoding, cfg.order, cfg.curriculum_start) == ("rope", "curriculum", 0.5)
+    assert (cfg.pos_encoding, cfg.order, cfg.curriculum_start) == ("rope-v", "curriculum", 0.5)
     mine = resolve(TrainConfig(task="char", pos_encoding="learned", order="random"), seq_len=256)
     assert (mine.pos_encoding, mine.order) == ("learned", "random")
     assert resolve(TrainConfig(task="product"), seq_len=100).pos_encoding is None  # no recipe: the model default
