@@ -38,8 +38,8 @@ def one_thread():
 
 
 def small_cfg(tmp_path, **kw) -> TrainConfig:
-    base = dict(task="permutation", seq_len=12, preset="tiny", batch_size=8, max_iters=8, warmup_iters=2,
-                eval_interval=4, eval_iters=2, log_interval=1, num_eval_samples=0, out_dir=str(tmp_path))
+    base = dict(task="permutation", seq_len=12, preset="tiny", n_embd=64, n_head=2, batch_size=8, max_iters=8,
+                warmup_iters=2, eval_interval=4, eval_iters=2, log_interval=1, num_eval_samples=0, out_dir=str(tmp_path))
     return TrainConfig(**{**base, **kw})
 
 
@@ -152,7 +152,7 @@ def test_checkpoint_contents_and_load(tmp_path):
     assert ckpt["optimizer"]["state"], "optimizer moments are saved"
     model, task, cfg = load_checkpoint(tmp_path / "ckpt.pt")
     assert task.name == "permutation" and task.seq_len == 12
-    assert cfg.max_iters == 5 and cfg.lr == 3e-3 and cfg.grad_accum == 1  # resolved
+    assert cfg.max_iters == 5 and cfg.lr == 1e-3 and cfg.grad_accum == 1  # resolved: the permutation recipe's lr
     assert not model.training
     for (n, p), q in zip(model.named_parameters(), result.model.parameters()):
         assert torch.equal(p, q), n
@@ -262,7 +262,7 @@ def test_grad_accum_must_split_across_ranks():
         (dict(preset="huge"), ValueError, "TrainConfig.preset: unknown preset 'huge'"),
         (dict(order="zigzag"), ValueError, "TrainConfig.order: unknown order 'zigzag'"),
         (dict(n_embd=60, n_head=4), ValueError, "n_embd \\(60\\) must be divisible by 2\\*n_head \\(8\\)"),
-        (dict(n_head=3), ValueError, "n_embd \\(64\\) must be divisible by 2\\*n_head \\(6\\)"),
+        (dict(task="product", n_head=3), ValueError, "n_embd \\(64\\) must be divisible by 2\\*n_head \\(6\\)"),
         (dict(max_iters=1.5), TypeError, "TrainConfig.max_iters must be int or None"),
         (dict(compile="yes"), TypeError, "TrainConfig.compile must be bool"),
         (dict(lr=0.0), ValueError, "TrainConfig.lr must be > 0"),
