@@ -62,6 +62,23 @@ def _check_sample(tokens: torch.Tensor, canvas: torch.Tensor, known: torch.Tenso
         raise AssertionError("generate returned ids outside the vocabulary")
 
 
+def timed_sample(benchmark, sample, task, canvas: torch.Tensor, known: torch.Tensor, device: torch.device):
+    """Warm ``sample(canvas, known, generator) -> (tokens, stats)`` on two rows, then time one call on the
+    whole batch. Both outputs are checked; returns ``(tokens, stats, metrics, metric name, metric value)``."""
+    warm, _ = sample(canvas[:2], known[:2], torch.Generator(device).manual_seed(1))
+    _check_sample(warm, canvas[:2], known[:2], task.vocab_size)
+
+    def run():
+        out = sample(canvas, known, torch.Generator(device).manual_seed(1234))
+        synchronize(device)
+        return out
+
+    tokens, stats = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    _check_sample(tokens, canvas, known, task.vocab_size)
+    metrics = {k: float(v) for k, v in task.evaluate(tokens.cpu()).items()}
+    return (tokens, stats, metrics, *primary_metric(task, metrics))
+
+
 @pytest.mark.parametrize("rule,num_orders", RULES, ids=RULE_IDS)
 @pytest.mark.parametrize("task_name", list(REFERENCE))
 def test_oracle_steps(benchmark, task_name, rule, num_orders):
@@ -108,22 +125,12 @@ def test_model_steps(benchmark, request, model_name, strategy, rule, num_orders,
     model, task = bm.model, bm.task
     n = bm.spec.n_sequences
     canvas, known = _canvas(task, n, device)
-    kwargs = dict(known=known, strategy=strategy, num_orders=num_orders, acceptance=rule, return_stats=True)
 
-    warm, _ = sigmafast.generate(model, canvas[:2], known=known[:2], strategy=strategy, num_orders=num_orders,
-                                 acceptance=rule, return_stats=True, generator=torch.Generator(device).manual_seed(1))
-    _check_sample(warm, canvas[:2], known[:2], task.vocab_size)
+    def sample(c, k, g):
+        return sigmafast.generate(model, c, known=k, strategy=strategy, num_orders=num_orders, acceptance=rule,
+                                  generator=g, return_stats=True)
 
-    def run():
-        g = torch.Generator(device).manual_seed(1234)
-        out = sigmafast.generate(model, canvas, generator=g, **kwargs)
-        synchronize(device)
-        return out
-
-    tokens, stats = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
-    _check_sample(tokens, canvas, known, task.vocab_size)
-    metrics = {k: float(v) for k, v in task.evaluate(tokens.cpu()).items()}
-    name, value = primary_metric(task, metrics)
+    tokens, stats, metrics, name, value = timed_sample(benchmark, sample, task, canvas, known, device)
     n_unknown = (~known).sum(1)
     if name is None:  # no validity metric (text): per-token left-to-right NLL under the model
         for key, seqs in (("sample_nll_l2r", tokens), ("data_nll_l2r", canvas)):

@@ -30,9 +30,9 @@ import pytest
 import torch
 
 import sigmafast
-from _common import bench_full, device_info, primary_metric, summarize, synchronize, wilson_interval
+from _common import bench_full, device_info, summarize, wilson_interval
 from _models import ModelSpec, spec
-from bench_steps import _canvas, _check_sample
+from bench_steps import _canvas, timed_sample
 from sigmafast import diffusion
 from sigmafast.tasks import get_task
 
@@ -83,14 +83,14 @@ def _model(models, device, task_name: str, family: str):
     return bm.model, bm.task, info, device
 
 
-def _sampler(model, family: str, strategy: str, rule, num):
+def _sampler(model, family: str, strategy: str, rule, num, steps):
     """generate(canvas, known, generator) -> (tokens, stats) for one method."""
     if family.startswith("diffusion"):
-        return lambda canvas, known, g, steps: diffusion.generate(model, canvas, known=known, steps=steps,
-                                                                  generator=g, return_stats=True)
-    return lambda canvas, known, g, steps: sigmafast.generate(model, canvas, known=known, strategy=strategy,
-                                                              num_orders=num, acceptance=rule, generator=g,
-                                                              return_stats=True)
+        return lambda canvas, known, g: diffusion.generate(model, canvas, known=known, steps=steps,
+                                                           generator=g, return_stats=True)
+    return lambda canvas, known, g: sigmafast.generate(model, canvas, known=known, strategy=strategy,
+                                                       num_orders=num, acceptance=rule, generator=g,
+                                                       return_stats=True)
 
 
 @pytest.mark.parametrize("task_name,family,strategy,rule,num", cases())
@@ -105,19 +105,8 @@ def test_steps_quality(benchmark, task_name, family, strategy, rule, num, models
         steps = T if num == "T" else num
         if steps > T:
             pytest.skip(f"S={steps} exceeds the {T} unknown positions")
-    generate = _sampler(model, family, strategy, rule, num)
-    warm, _ = generate(canvas[:2], known[:2], torch.Generator(dev).manual_seed(1), steps)
-    _check_sample(warm, canvas[:2], known[:2], task.vocab_size)
-
-    def run():
-        out = generate(canvas, known, torch.Generator(dev).manual_seed(1234), steps)
-        synchronize(dev)
-        return out
-
-    tokens, stats = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
-    _check_sample(tokens, canvas, known, task.vocab_size)
-    metrics = {k: float(v) for k, v in task.evaluate(tokens.cpu()).items()}
-    name, value = primary_metric(task, metrics)
+    sample = _sampler(model, family, strategy, rule, num, steps)
+    _, stats, metrics, name, value = timed_sample(benchmark, sample, task, canvas, known, dev)
     successes = round(value * n)
     lo, hi = wilson_interval(successes, n)
     benchmark.extra_info.update(

@@ -135,13 +135,7 @@ def check_training_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int,
     """The :func:`training_peak_bytes` estimate; a ``ValueError`` naming the flags that reduce it when it
     exceeds the available memory of ``device`` (read now unless ``available`` is given)."""
     need = training_peak_bytes(config, batch_size, seq_len, activation_bytes)
-    have = available_bytes(device) if available is None else available
-    if have is not None and need > have:
-        raise ValueError(
-            f"training needs about {need / GIB:.1f} GiB (estimated peak) but {device} has {have / GIB:.1f} GiB "
-            f"available: reduce {TRAINING_FLAGS}"
-        )
-    return need
+    return _check_fits(need, device, available, "training", " (estimated peak)", TRAINING_FLAGS)
 
 
 def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,
@@ -153,10 +147,17 @@ def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: i
     need = sampling_peak_bytes(config, batch_size, num_orders, seq_len, param_bytes, verifier_logits)
     if available is None and need < SAMPLING_CHECK_FLOOR:
         return need
+    return _check_fits(need, device, available, f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens",
+                       " per burst iteration", "num_orders or the batch")
+
+
+def _check_fits(need: int, device: torch.device, available: Optional[int], what: str, per: str, remedy: str) -> int:
+    """``need``; a ``ValueError`` "<what> needs about X GiB<per> but <device> has Y GiB available: reduce
+    <remedy>" when it exceeds the available memory of ``device`` (read now unless ``available`` is given)."""
     have = available_bytes(device) if available is None else available
     if have is not None and need > have:
         raise ValueError(
-            f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens needs about {need / GIB:.1f} GiB "
-            f"per burst iteration but {device} has {have / GIB:.1f} GiB available: reduce num_orders or the batch"
+            f"{what} needs about {need / GIB:.1f} GiB{per} but {device} has {have / GIB:.1f} GiB available: "
+            f"reduce {remedy}"
         )
     return need
