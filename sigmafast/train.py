@@ -210,7 +210,8 @@ class _Trainer:
         if ckpt is not None:
             self._restore(ckpt)
 
-        net = self.model if cfg.objective == "diffusion" else SigmaLoss(self.model)
+        loss_module = diffusion_training.DiffusionLoss if cfg.objective == "diffusion" else SigmaLoss
+        net = loss_module(self.model)
         net = torch.compile(net) if cfg.compile else net
         if layout.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -319,8 +320,6 @@ class _Trainer:
 
     def _loss(self, batch: tuple) -> torch.Tensor:
         """Scalar loss of one micro-batch through ``self.net`` (compiled / DDP-wrapped)."""
-        if self.cfg.objective == "diffusion":
-            return diffusion_training.batch_loss(self.net, self.model, batch)
         return self.net(*batch)
 
     def _log(self, it: int, loss: torch.Tensor, window_steps: int, window_start: float) -> None:

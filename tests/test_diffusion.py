@@ -154,6 +154,33 @@ def test_factored_uniform_model_adds_the_token_likelihood():
         assert torch.equal(before, absorbing(x_t, t))
 
 
+@pytest.mark.parametrize("noise,parameterization", [("uniform", "factored"), ("uniform", "plain"),
+                                                     ("absorbing", "factored")])
+@pytest.mark.parametrize("chunk_elements", [2**25, 7 * 5], ids=["one-chunk", "chunks-of-7-rows"])
+def test_chunked_loss_matches_the_loss_of_the_logits(monkeypatch, noise, parameterization, chunk_elements):
+    """``model.loss`` (no (B, T, V) logits) equals ``diffusion_loss`` of the forward's logits, with gradients."""
+    monkeypatch.setattr(sigmafast.loss, "LOSS_CHUNK_ELEMENTS", chunk_elements)
+    model = tiny_diffusion(noise).train()
+    model.diffusion_config = DiffusionConfig(noise, parameterization)
+    g = torch.Generator().manual_seed(1)
+    batch = noisy_batch(torch.randint(0, 4, (3, 7), generator=g), noise, 5, model.mask_id, g)
+    batch = DiffusionBatch(batch.x0, batch.x_t, batch.t.double())
+
+    def grads(loss_fn):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    full, g_full = grads(lambda: diffusion_loss(model(batch.x_t, batch.t).double(), batch, noise, model.mask_id))
+    chunked, g_chunked = grads(lambda: model.loss(*batch))
+    assert full > 0
+    torch.testing.assert_close(chunked.double(), full, rtol=1e-10, atol=1e-12)
+    assert g_full.keys() == g_chunked.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_chunked[name], g_full[name], rtol=1e-8, atol=1e-12)
+
+
 def test_diffusion_config_parameterization():
     assert DiffusionConfig().parameterization == "factored"
     assert DiffusionConfig.from_dict({"noise": "uniform"}).parameterization == "plain", "older checkpoints"

@@ -32,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..model import SigmaGPT, SigmaGPTConfig
-from .noise import NOISES, marginal
+from ..loss import linear_cross_entropy
+from .noise import NOISES, add_uniform_log_likelihood, loss_weights
 
 OBJECTIVES = ("sigma", "diffusion")
 PARAMETERIZATIONS = ("factored", "plain")
@@ -132,6 +133,24 @@ class DiffusionGPT(nn.Module):
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """(B, T) noised tokens and (B,) times in [0, 1] -> (B, T, V) logits of x_0."""
+        logits = self.backbone.lm_head(self.hidden_states(x_t, t))  # (B, T, V)
+        B, T = x_t.shape
+        return self.adjust_logits(logits, x_t, t[:, None].expand(B, T))
+
+    def loss(self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The training loss of a noised batch (:func:`~sigmafast.diffusion.noise.diffusion_loss`),
+        chunked over rows: the (B, T, V) logits are never materialised."""
+        if not isinstance(x0, torch.Tensor) or x0.dtype != torch.int64 or x0.shape != x_t.shape:
+            raise ValueError(f"x0 must be an int64 tensor of shape {tuple(x_t.shape)}, got "
+                             f"{getattr(x0, 'dtype', type(x0).__name__)} {tuple(getattr(x0, 'shape', ()))}")
+        hidden = self.hidden_states(x_t, t)  # (B, T, C)
+        t_rows = t[:, None].expand(x_t.shape)  # (B, T)
+        weight = loss_weights(x_t, t, self.noise, self.mask_id)
+        return linear_cross_entropy(hidden, self.backbone.lm_head.weight, x0, adjust=self.adjust_logits,
+                                    row_args=(x_t, t_rows), row_weight=weight)
+
+    def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """(B, T) noised tokens and (B,) times -> (B, T, C) final hidden states."""
         if not isinstance(x_t, torch.Tensor) or x_t.dtype not in (torch.int64, torch.int32) or x_t.dim() != 2:
             raise TypeError(f"x_t must be a (B, T) integer tensor, got {getattr(x_t, 'dtype', type(x_t).__name__)}")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != x_t.shape[:1]:
@@ -142,11 +161,13 @@ class DiffusionGPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=x_t.device).expand(B, T)
         x = self.backbone.embed(x_t, pos, pos) + self.time_embed(t)[:, None, :]  # (B, T, C)
-        h = self.backbone.run_layers(x, self.attend, self.backbone.rotary(pos, pos))  # (B, T, C)
-        logits = self.backbone.lm_head(h)  # (B, T, V)
+        return self.backbone.run_layers(x, self.attend, self.backbone.rotary(pos, pos))  # (B, T, C)
+
+    def adjust_logits(self, logits: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """(..., V) network logits with their (...) noised tokens and times -> logits of x_0: the known
+        log q(x_t | x_0) added for factored uniform noise, and -inf on the never-predicted MASK/BOS."""
         if self.noise == "uniform" and self.diffusion_config.parameterization == "factored":
-            likelihood = marginal(x_t, t, "uniform", self.config.vocab_size, self.mask_id)  # q(x_t^i | x_0^i = v)
-            logits = logits + likelihood.log().to(logits.dtype)
+            logits = add_uniform_log_likelihood(logits, x_t, t)
         return logits.masked_fill(self.never_predicted, float("-inf"))
 
 

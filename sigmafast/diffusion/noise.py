@@ -162,12 +162,36 @@ def noisy_batch(x0: torch.Tensor, noise: str, vocab_size: int, mask_id: int,
     return DiffusionBatch(x0, corrupt(x0, t, noise, vocab_size, mask_id, u_keep, u_token), t)
 
 
-def diffusion_loss(logits: torch.Tensor, batch: DiffusionBatch, noise: str, mask_id: int) -> torch.Tensor:
-    """Scalar training loss from x0 logits (B, T, V): MDLM NELBO (absorbing) or x0-CE (uniform)."""
-    B, T, V = logits.shape
-    ce = F.cross_entropy(logits.float().reshape(B * T, V), batch.x0.reshape(B * T), reduction="none")
-    ce = ce.view(B, T)
+def loss_weights(x_t: torch.Tensor, t: torch.Tensor, noise: str, mask_id: int) -> Optional[torch.Tensor]:
+    """(B, T) per-token loss weights: the MDLM NELBO's -α'_t / (1 - α_t) = 1/t on masked tokens
+    (absorbing), or None (uniform: plain x0 cross-entropy)."""
     if check_noise(noise) == "absorbing":
-        weight = (batch.x_t == mask_id).float() / batch.t[:, None].float()  # -α'_t / (1 - α_t) = 1/t
-        return (ce * weight).mean()
-    return ce.mean()
+        return (x_t == mask_id).to(t.dtype) / t[:, None]
+    return None
+
+
+def add_uniform_log_likelihood(logits: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits plus log q(x_t | x_0 = v) of uniform noise, for tokens x_t and times t of shape (...).
+
+    q is α_t + (1 - α_t)/K at v = x_t and (1 - α_t)/K elsewhere (K = V - 1 data ids); only two
+    values per row, so no (..., V) temporary beyond the result. Right for the data ids; the
+    MASK id, which x_0 never takes, gets a finite value to be masked.
+    """
+    a = alpha(t).double()
+    off = ((1 - a) / (logits.shape[-1] - 1)).log()  # (...)
+    on = (a + (1 - a) / (logits.shape[-1] - 1)).log()
+    index = x_t[..., None]
+    out = logits + off[..., None].to(logits.dtype)
+    return out.scatter(-1, index, logits.gather(-1, index) + on[..., None].to(logits.dtype))
+
+
+def diffusion_loss(logits: torch.Tensor, batch: DiffusionBatch, noise: str, mask_id: int) -> torch.Tensor:
+    """Scalar training loss from x0 logits (B, T, V): MDLM NELBO (absorbing) or x0-CE (uniform).
+
+    The plain reference of :meth:`DiffusionGPT.loss`, which never builds the logits.
+    """
+    B, T, V = logits.shape
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(B * T, V)
+    ce = F.cross_entropy(logits, batch.x0.reshape(B * T), reduction="none").view(B, T)
+    weight = loss_weights(batch.x_t, batch.t, noise, mask_id)
+    return ce.mean() if weight is None else (ce * weight.to(ce.dtype)).mean()

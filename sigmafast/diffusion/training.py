@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .model import DiffusionGPT
-from .noise import DiffusionBatch, diffusion_loss, noisy_batch
+from .noise import DiffusionBatch, noisy_batch
 
 
 def make_batch(model: DiffusionGPT, x0: torch.Tensor, generator: Optional[torch.Generator]) -> DiffusionBatch:
@@ -22,9 +22,16 @@ def get_batch(model: DiffusionGPT, task, batch_size: int, generator: torch.Gener
     return make_batch(model, x0, generator).to(device)
 
 
-def batch_loss(net, model: DiffusionGPT, batch: DiffusionBatch) -> torch.Tensor:
-    """Scalar loss of one batch through ``net`` (the model, or its compiled / DDP wrapper)."""
-    return diffusion_loss(net(batch.x_t, batch.t), batch, model.noise, model.mask_id)
+class DiffusionLoss(torch.nn.Module):
+    """``model.loss`` as a module call on a :class:`DiffusionBatch`, so that DDP and ``torch.compile``
+    wrap the chunked loss."""
+
+    def __init__(self, model: DiffusionGPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(x0, x_t, t)
 
 
 @torch.no_grad()
@@ -36,6 +43,6 @@ def estimate_val_loss(model: DiffusionGPT, xs, generator: torch.Generator, autoc
     for x in xs:
         batch = make_batch(model, x, generator).to(device)
         with autocast:
-            loss = batch_loss(model, model, batch)
+            loss = model.loss(*batch)
         total += loss.float()
     return (total / len(xs)).item()
