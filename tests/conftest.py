@@ -12,6 +12,7 @@ than it saves on a small shared CPU, so the session runs single-threaded.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -19,3 +20,15 @@ if not torch.cuda.is_available():
 os.environ.setdefault("SIGMAFAST_BACKEND", "reference")
 
 torch.set_num_threads(1)
+
+from helpers import small_cfg  # noqa: E402  (after TRITON_INTERPRET: it imports triton)
+from sigmafast.train import train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory):
+    """A checkpoint of a 2-step permutation run (helpers.small_cfg), one per test module."""
+    out = tmp_path_factory.mktemp("trained")
+    torch.set_num_threads(1)
+    train(small_cfg(out, max_iters=2))
+    return out

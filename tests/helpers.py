@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 
 from sigmafast import SigmaGPT, SigmaGPTConfig
+from sigmafast.train import TrainConfig
 
 
 def tiny_model(vocab_size: int = 5, block_size: int = 8, seed: int = 0, std: float = 0.3,
@@ -178,3 +179,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((counts[keep].double() - expected[keep]) ** 2 / expected[keep]).sum()
     df = keep.sum() - 1
     return torch.special.gammaincc(df.double() / 2, stat / 2).item()
+
+
+def small_cfg(tmp_path, **kw) -> TrainConfig:
+    base = dict(task="permutation", seq_len=12, preset="tiny", n_embd=64, n_head=2, batch_size=8, max_iters=8,
+                warmup_iters=2, eval_interval=4, eval_iters=2, log_interval=1, num_eval_samples=0, out_dir=str(tmp_path))
+    return TrainConfig(**{**base, **kw})

@@ -1,0 +1,72 @@
+"""Checkpoints: contents, atomic writes, loading, and the errors of unreadable files."""
+
+import os
+
+import pytest
+import torch
+
+from sigmafast.checkpoint import atomic_save, read_checkpoint
+from sigmafast.train import load_checkpoint, train
+from helpers import small_cfg
+
+
+def test_checkpoint_contents_and_load(tmp_path):
+    result = train(small_cfg(tmp_path, max_iters=5))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter"] == 5 and len(ckpt["rng"]) == 1
+    assert set(ckpt["best_val_loss"]) == {"random", "l2r"}
+    assert ckpt["best_val_loss"]["random"] == min(h["val_loss_random"] for h in result.history)
+    assert ckpt["optimizer"]["state"], "optimizer moments are saved"
+    model, task, cfg = load_checkpoint(tmp_path / "ckpt.pt")
+    assert task.name == "permutation" and task.seq_len == 12
+    assert cfg.max_iters == 5 and cfg.lr == 1e-3 and cfg.grad_accum == 1  # resolved: the permutation recipe's lr
+    assert not model.training
+    for (n, p), q in zip(model.named_parameters(), result.model.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_atomic_save_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    atomic_save({"v": 1}, path)
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_save({"v": 2}, path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    assert torch.load(path) == {"v": 1}
+
+
+class _Foreign:
+    """A class torch.load(weights_only=True) refuses to unpickle."""
+
+
+@pytest.mark.parametrize("kind", ["junk", "truncated", "foreign-object", "empty"])
+def test_corrupt_checkpoint_error_has_no_unsafe_advice(tmp_path, trained_dir, kind):
+    path = tmp_path / "bad.pt"
+    if kind == "junk":
+        path.write_bytes(b"not a checkpoint")
+    elif kind == "truncated":
+        data = (trained_dir / "ckpt.pt").read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "foreign-object":
+        torch.save({"model": _Foreign()}, path)
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a readable sigmafast checkpoint") as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert "weights_only" not in message and "\n" not in message, message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_load_checkpoint_on_cuda_without_cuda(trained_dir):
+    with pytest.raises(ValueError, match="device 'cuda' requested but CUDA is not available"):
+        load_checkpoint(trained_dir / "ckpt.pt", device="cuda")
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        load_checkpoint(trained_dir / "ckpt.pt", device="gpu")
