@@ -12,7 +12,9 @@ positions (the paper's "whole sequence"; prompted positions contribute 0),
 between the decoded sample and the decoded ground truth (bin centres, in the
 task's units: ft for ``vertical_rate``). The table reports the mean and the
 standard deviation of this error over all ``num_sequences *
-samples_per_sequence`` samples. A non-value token sampled at a value position
+samples_per_sequence`` samples, and the half-width of a 95% confidence interval
+of the mean: 1.96 times the standard error of the per-sequence means, since
+the samples of one sequence share its ground truth and are not independent. A non-value token sampled at a value position
 (BOS, an aircraft type) decodes as the nearest bin (the top one) and is counted
 in ``invalid``, the fraction of generated value tokens that are not values.
 
@@ -43,6 +45,16 @@ class PromptedResult:
     mse_std: float
     invalid: float  # fraction of generated value tokens that are not value tokens
     num_samples: int
+    mse_ci: float = math.nan  # half-width of the 95% CI of mse_mean, over sequences (nan for one sequence)
+
+
+def sequence_ci(mse: torch.Tensor, num_sequences: int) -> float:
+    """Half-width of the 95% normal CI of ``mse.mean()`` for (num_sequences * S,) errors grouped by
+    sequence (sequence-major): 1.96 std(per-sequence means) / sqrt(num_sequences); nan for one sequence."""
+    if num_sequences < 2:
+        return math.nan
+    per_sequence = mse.view(num_sequences, -1).mean(dim=1)
+    return 1.96 * per_sequence.std().item() / math.sqrt(num_sequences)
 
 
 def prompt_known(task, fraction: float) -> torch.Tensor:
@@ -107,12 +119,14 @@ def evaluate_prompted(
             bad = (sampled >= task.bins.n_bins) | (sampled < 0)
             std = mse.std() if mse.numel() > 1 else torch.zeros((), dtype=mse.dtype, device=device)
             stats = torch.stack([mse.mean(), std, bad.sum() / generated.clamp_min(1)]).tolist()
-            results.append(PromptedResult(float(fraction), order, stats[0], stats[1], stats[2], mse.numel()))
+            results.append(PromptedResult(float(fraction), order, stats[0], stats[1], stats[2], mse.numel(),
+                                          sequence_ci(mse, num_sequences)))
     return results
 
 
 def markdown_table(results: Sequence[PromptedResult], unit: str = "") -> str:
-    """Orders as rows, prompt fractions as columns, cells ``mean ± std`` (and the invalid share if any)."""
+    """Orders as rows, prompt fractions as columns, cells ``mean ± std [95% CI of the mean]`` (and the
+    invalid share if any)."""
     fractions = sorted({r.fraction for r in results})
     orders = list(dict.fromkeys(r.order for r in results))
     cell = {(r.order, r.fraction): r for r in results}
@@ -127,7 +141,10 @@ def markdown_table(results: Sequence[PromptedResult], unit: str = "") -> str:
                 cells.append("")
                 continue
             text = f"{r.mse_mean:.4g} ± {r.mse_std:.3g}"
-            cells.append(text + (f" ({100 * r.invalid:.1f}% invalid)" if r.invalid > 0 else ""))
+            if math.isfinite(r.mse_ci):
+                text += f" [{r.mse_mean - r.mse_ci:.3g}, {r.mse_mean + r.mse_ci:.3g}]"
+            cells.append(text + (f" ({100 * r.invalid:.2g}% invalid)" if r.invalid > 0 else ""))
         lines.append(f"| {order} | " + " | ".join(cells) + " |")
     n = results[0].num_samples if results else 0
-    return f"{label}, mean ± std over {n} samples per cell\n\n" + "\n".join(lines)
+    return (f"{label}, mean ± std over {n} samples per cell [95% CI of the mean, from the per-sequence means]"
+            "\n\n" + "\n".join(lines))

@@ -11,7 +11,7 @@ import torch
 from helpers import tiny_model
 
 from sigmafast.checkpoint import load_checkpoint, read_checkpoint
-from sigmafast.series_eval import evaluate_prompted, markdown_table, prompt_known
+from sigmafast.series_eval import evaluate_prompted, markdown_table, prompt_known, sequence_ci
 from sigmafast.tasks import get_task
 from sigmafast.tasks.oracles import Oracle
 from sigmafast.tasks.series import UniformBins
@@ -287,10 +287,21 @@ def test_evaluate_prompted_on_a_tiny_model_is_reproducible():
                   samples_per_sequence=2, num_sequences=3)
     a = evaluate_prompted(model, vr, generator=gen(8), **kwargs)
     assert [(r.fraction, r.order) for r in a] == [(f, o) for f in kwargs["fractions"] for o in kwargs["orders"]]
-    assert all(math.isfinite(r.mse_mean) and r.mse_std >= 0 and r.num_samples == 6 for r in a)
+    assert all(math.isfinite(r.mse_mean) and r.mse_std >= 0 and r.num_samples == 6 and r.mse_ci >= 0 for r in a)
     assert a == evaluate_prompted(model, vr, generator=gen(8), **kwargs)
     table = markdown_table(a, "ft")
     assert "| fractal |" in table and "| order \\ prompt | 0% | 10% | 50% |" in table and "ft²" in table
+    assert f"[{a[0].mse_mean - a[0].mse_ci:.3g}, {a[0].mse_mean + a[0].mse_ci:.3g}]" in table
+
+
+def test_sequence_ci_groups_samples_by_sequence():
+    """Sequence-major grouping: spread between sequences widens the CI, spread within one does not."""
+    between = torch.tensor([1.0, 1.0, 1.0, 3.0, 3.0, 3.0])  # 2 sequences x 3 samples
+    within = torch.tensor([1.0, 3.0, 2.0, 1.0, 3.0, 2.0])
+    assert sequence_ci(between, 2) == pytest.approx(1.96 * math.sqrt(2.0) / math.sqrt(2))
+    assert sequence_ci(within, 2) == 0.0
+    assert sequence_ci(between, 6) == pytest.approx(1.96 * between.std().item() / math.sqrt(6))
+    assert math.isnan(sequence_ci(between, 1))
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
