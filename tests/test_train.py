@@ -341,6 +341,7 @@ def test_task_recipes_fill_only_unset_fields(monkeypatch):
     mine = resolve(TrainConfig(task="char", pos_encoding="learned", order="random"), seq_len=256)
     assert (mine.pos_encoding, mine.order) == ("learned", "random")
     assert resolve(TrainConfig(task="product"), seq_len=100).pos_encoding is None  # no recipe: the model default
+    assert resolve(TrainConfig(task="vertical_rate"), seq_len=64).pos_encoding == "rope-v"
     recipe = dict(preset="small", n_embd=96, max_iters=77, pos_encoding="rope", order="fractal")
     monkeypatch.setitem(train_config.TASK_RECIPES, "maze", recipe)
     cfg = TrainConfig(task="maze")
