@@ -20,7 +20,7 @@ def test_checkpoint_contents_and_load(tmp_path):
     assert ckpt["optimizer"]["state"], "optimizer moments are saved"
     model, task, cfg = load_checkpoint(tmp_path / "ckpt.pt")
     assert task.name == "permutation" and task.seq_len == 12
-    assert cfg.max_iters == 5 and cfg.lr == 1e-3 and cfg.grad_accum == 1  # resolved: the permutation recipe's lr
+    assert cfg.max_iters == 5 and cfg.lr == 3e-3 and cfg.weight_decay == 0.0  # resolved: the permutation recipe's
     assert not model.training
     for (n, p), q in zip(model.named_parameters(), result.model.parameters()):
         assert torch.equal(p, q), n

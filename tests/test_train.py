@@ -188,8 +188,8 @@ def test_learning_rate_schedule():
 
 
 def test_weight_decay_only_on_matrices():
-    cfg = resolve(TrainConfig(), 12)
-    model = SigmaGPT(build_model_config(cfg, get_task("permutation", seq_len=12)))
+    cfg = resolve(TrainConfig(task="step"), 12)
+    model = SigmaGPT(build_model_config(cfg, get_task("step", seq_len=12)))
     opt = configure_optimizer(model, cfg, torch.device("cpu"))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -274,7 +274,7 @@ BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "-
         (["--lr", "-1"], "TrainConfig.lr must be > 0"),
         (["--seq-len", "1"], "seq_len"),
         (["--resume", "--out-dir", "{empty}"], "no checkpoint at"),
-        (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 2, now 3"),
+        (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 1, now 3"),
         (["--resume", "--out-dir", "{trained}", "--seq-len", "10"], "task seq_len: checkpoint 12, now 10"),
         (["--resume", "--out-dir", "{trained}", "--task", "step"], "task name: checkpoint 'permutation', now 'step'"),
         (["--seq-len", "100000000"], "GiB available: reduce --batch-size"),
