@@ -18,6 +18,17 @@ def bench_full() -> bool:
     return os.environ.get("SIGMAFAST_BENCH_FULL", "") not in ("", "0")
 
 
+def sample_count(default: int) -> int:
+    """``SIGMAFAST_BENCH_SAMPLES=N``: sequences per quality figure, overriding ``default`` (the models stay
+    the budget's own, so a CPU run can reach >= 1000 samples without paper-scale training)."""
+    value = os.environ.get("SIGMAFAST_BENCH_SAMPLES", "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"SIGMAFAST_BENCH_SAMPLES must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def cache_root() -> Path:
     env = os.environ.get("SIGMAFAST_CACHE")
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "sigmafast" / "bench"

@@ -14,8 +14,8 @@ each for AR, two (draft + verify) for burst. AR and lossless sample the same law
 model's random-order autoregressive law), so their validities must agree; this is
 tested (two-proportion z-test), the paper rule is only reported.
 
-Sizes: 256 sequences per figure on a CPU, ``SIGMAFAST_BENCH_FULL=1`` 2000 (with the
-full-size models). The table is printed (markdown) and stored in
+Sizes: 256 sequences per figure on a CPU; ``SIGMAFAST_BENCH_FULL=1``: 2000, with the full-size models;
+``SIGMAFAST_BENCH_SAMPLES=N``: N, with the budget's own models. The table is printed (markdown) and stored in
 ``benchmark.extra_info["rows"]``.
 """
 
@@ -28,9 +28,9 @@ import pytest
 import torch
 
 import sigmafast
-from _common import bench_full, device_info, primary_metric, synchronize, wilson_interval
+from _common import bench_full, device_info, primary_metric, sample_count, synchronize, wilson_interval
 
-SAMPLES = 2000 if bench_full() else 256
+SAMPLES = sample_count(2000 if bench_full() else 256)
 CHUNK = 256  # sequences per generate call
 METHODS = {
     "AR": dict(strategy="autoregressive"),

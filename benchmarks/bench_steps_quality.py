@@ -18,7 +18,7 @@ with a 95% Wilson interval and n) against the mean number of model steps for
 
 Budgets: the default fits a 2-core CPU (64 sequences, 32 for maze, and
 S ∈ {1, 4, 16, T}); ``SIGMAFAST_BENCH_FULL=1`` samples 1000 sequences per
-point with every S. Models are trained once into the cache (``_models.py``).
+point with every S; ``SIGMAFAST_BENCH_SAMPLES=N`` sets the sequences alone. Models are trained once into the cache (``_models.py``).
 ``scripts/plot_benchmarks.py`` draws ``steps_quality.png`` and the table.
 """
 
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import sigmafast
-from _common import bench_full, device_info, summarize, wilson_interval
+from _common import bench_full, device_info, sample_count, summarize, wilson_interval
 from _models import ModelSpec, spec
 from bench_steps import _canvas, timed_sample
 from sigmafast import diffusion
@@ -45,9 +45,7 @@ DIFFUSION_STEPS = (1, 2, 4, 8, 16, 32, 64, "T") if bench_full() else (1, 4, 16, 
 
 
 def n_sequences(task_name: str) -> int:
-    if bench_full():
-        return 1000
-    return 32 if task_name == "maze" else 64
+    return sample_count(1000 if bench_full() else 32 if task_name == "maze" else 64)
 
 
 def diffusion_spec(task_name: str, noise: str) -> ModelSpec:
