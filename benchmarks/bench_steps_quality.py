@@ -14,10 +14,10 @@ with a 95% Wilson interval and n) against the mean number of model steps for
   oracle analogue);
 * ``diffusion-absorbing`` / ``diffusion-uniform``: ``sigmafast.diffusion``
   models with the σ-GPT's task, preset, budget and learning rate, sampled
-  with S ∈ {1, 2, 4, 8, 16, 32, 64, T} steps (T = the unknown positions).
+  with S ∈ {1, 2, 4, 5, 8, 16, 32, 64, T} steps (T = the unknown positions).
 
 Budgets: the default fits a 2-core CPU (64 sequences, 32 for maze, and
-S ∈ {1, 4, 16, T}); ``SIGMAFAST_BENCH_FULL=1`` samples 1000 sequences per
+S ∈ {1, 4, 5, 16, T}); ``SIGMAFAST_BENCH_FULL=1`` samples 1000 sequences per
 point with every S; ``SIGMAFAST_BENCH_SAMPLES=N`` sets the sequences alone. Models are trained once into the cache (``_models.py``).
 ``scripts/plot_benchmarks.py`` draws ``steps_quality.png`` and the table.
 """
@@ -41,7 +41,8 @@ NOISES = ("absorbing", "uniform")
 SIGMA_METHODS = [("autoregressive", "paper", 1, "ar")] + [("burst", "lossless", 1, "burst-lossless")] + [
     ("burst", "paper", n, f"burst-paper-o{n}") for n in (1, 2, 5, 10)
 ]
-DIFFUSION_STEPS = (1, 2, 4, 8, 16, 32, 64, "T") if bench_full() else (1, 4, 16, "T")
+# S = 5: the issue's comparison point with σ-GPT burst (<= 5 mean steps on step)
+DIFFUSION_STEPS = (1, 2, 4, 5, 8, 16, 32, 64, "T") if bench_full() else (1, 4, 5, 16, "T")
 
 
 def n_sequences(task_name: str) -> int:
