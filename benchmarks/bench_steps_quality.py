@@ -18,7 +18,8 @@ with a 95% Wilson interval and n) against the mean number of model steps for
 
 Budgets: the default fits a 2-core CPU (64 sequences, 32 for maze, and
 S ∈ {1, 4, 5, 16, T}); ``SIGMAFAST_BENCH_FULL=1`` samples 1000 sequences per
-point with every S; ``SIGMAFAST_BENCH_SAMPLES=N`` sets the sequences alone. Models are trained once into the cache (``_models.py``).
+point with every S; ``SIGMAFAST_BENCH_SAMPLES=N`` sets the sequences alone.
+Models are trained once into the cache (``_models.py``).
 ``scripts/plot_benchmarks.py`` draws ``steps_quality.png`` and the table.
 """
 

@@ -54,6 +54,10 @@ def _rows(tensors, start: int, stop: int) -> tuple:
     return tuple(t[start:stop] for t in tensors)
 
 
+def _weight_rows(row_weight, start: int, stop: int):
+    return None if row_weight is None else row_weight[start:stop]
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, rows, adjust, row_args, row_weight):  # (N, C), (V, C), (N,)
@@ -65,7 +69,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         for start in range(0, hidden.shape[0], rows):
             h, y = hidden[start:start + rows], targets[start:start + rows]
-            w = None if row_weight is None else row_weight[start:start + rows]
+            w = _weight_rows(row_weight, start, start + rows)
             loss, logits = _chunk_loss(h, weight, y, adjust, _rows(row_args, start, start + rows), w)
             total += loss
             if grad_h is None and grad_w is None:
@@ -98,9 +102,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (-1 ignored), chunked over rows.
 
     hidden (..., C), weight (V, C), targets (...) int64 -> scalar loss (float32, or float64 for float64).
-    ``chunk_elements`` defaults to :data:`LOSS_CHUNK_ELEMENTS`. ``adjust(logits (n, V), *rows of row_args) -> logits`` edits each chunk's logits with terms that
-    carry no gradient; each of ``row_args`` and ``row_weight`` has the shape of ``targets``. The
-    loss is ``sum_n row_weight_n CE_n / N_valid``.
+    ``chunk_elements`` defaults to :data:`LOSS_CHUNK_ELEMENTS`. ``adjust(logits (n, V), *rows of
+    row_args) -> logits`` edits each chunk's logits with terms that carry no gradient; each of
+    ``row_args`` and ``row_weight`` has the shape of ``targets``. The loss is
+    ``sum_n row_weight_n CE_n / N_valid``.
     """
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("hidden and weight must be torch.Tensors")
@@ -127,6 +132,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, targets, rows, adjust, row_args, row_weight)
     total = sum(_chunk_loss(hidden[i:i + rows], weight, targets[i:i + rows], adjust, _rows(row_args, i, i + rows),
-                            None if row_weight is None else row_weight[i:i + rows])[0]
-                for i in range(0, hidden.shape[0], rows))
+                            _weight_rows(row_weight, i, i + rows))[0] for i in range(0, hidden.shape[0], rows))
     return total / (targets != IGNORE_INDEX).sum().clamp_min(1)

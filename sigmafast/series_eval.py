@@ -14,9 +14,10 @@ task's units: ft for ``vertical_rate``). The table reports the mean and the
 standard deviation of this error over all ``num_sequences *
 samples_per_sequence`` samples, and the half-width of a 95% confidence interval
 of the mean: 1.96 times the standard error of the per-sequence means, since
-the samples of one sequence share its ground truth and are not independent. A non-value token sampled at a value position
-(BOS, an aircraft type) decodes as the nearest bin (the top one) and is counted
-in ``invalid``, the fraction of generated value tokens that are not values.
+the samples of one sequence share its ground truth and are not independent.
+A non-value token sampled at a value position (BOS, an aircraft type) decodes
+as the nearest bin (the top one) and is counted in ``invalid``, the fraction of
+generated value tokens that are not values.
 
 A value task exposes ``bins`` (:class:`~sigmafast.tasks.series.UniformBins`)
 and ``value_positions`` ((T,) bool). ``model`` is anything ``generate``

@@ -32,7 +32,7 @@ from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
 from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
 from .memory import GIB, check_training_memory
-from .model import SigmaGPT, SigmaGPTConfig
+from .model import SigmaGPTConfig
 from .signals import StopRequest
 from .train_config import TrainConfig, resolve
 
@@ -133,15 +133,16 @@ def make_val_batches(task, cfg: TrainConfig) -> list[tuple[torch.Tensor, torch.T
     return batches
 
 
-class SigmaLoss(torch.nn.Module):
-    """``model.loss`` as a module call, so that DDP and ``torch.compile`` wrap the chunked loss."""
+class ModelLoss(torch.nn.Module):
+    """``model.loss(*batch)`` as a module call, so that DDP and ``torch.compile`` wrap the chunked loss
+    of either objective (a σ-GPT batch: tokens, in_pos, out_pos, targets; a diffusion batch: x0, x_t, t)."""
 
-    def __init__(self, model: SigmaGPT) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, in_pos, out_pos, targets) -> torch.Tensor:
-        return self.model.loss(tokens, in_pos, out_pos, targets)
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(*batch)
 
 
 def check_memory(cfg: TrainConfig, model_config: SigmaGPTConfig, seq_len: int, device: torch.device) -> int:
@@ -210,8 +211,7 @@ class _Trainer:
         if ckpt is not None:
             self._restore(ckpt)
 
-        loss_module = diffusion_training.DiffusionLoss if cfg.objective == "diffusion" else SigmaLoss
-        net = loss_module(self.model)
+        net = ModelLoss(self.model)
         net = torch.compile(net) if cfg.compile else net
         if layout.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None

@@ -181,6 +181,15 @@ def test_chunked_loss_matches_the_loss_of_the_logits(monkeypatch, noise, paramet
         torch.testing.assert_close(g_chunked[name], g_full[name], rtol=1e-8, atol=1e-12)
 
 
+def test_chunked_loss_rejects_bad_targets():
+    model = tiny_diffusion("absorbing")
+    x_t, t = torch.zeros(2, 4, dtype=torch.long), torch.full((2,), 0.5, dtype=torch.float64)
+    with pytest.raises(TypeError, match="x0 must be an int64"):
+        model.loss(x_t.double(), x_t, t)
+    with pytest.raises(ValueError, match="x0 must have the shape of x_t"):
+        model.loss(torch.zeros(2, 3, dtype=torch.long), x_t, t)
+
+
 def test_diffusion_config_parameterization():
     assert DiffusionConfig().parameterization == "factored"
     assert DiffusionConfig.from_dict({"noise": "uniform"}).parameterization == "plain", "older checkpoints"

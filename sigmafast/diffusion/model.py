@@ -140,9 +140,10 @@ class DiffusionGPT(nn.Module):
     def loss(self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The training loss of a noised batch (:func:`~sigmafast.diffusion.noise.diffusion_loss`),
         chunked over rows: the (B, T, V) logits are never materialised."""
-        if not isinstance(x0, torch.Tensor) or x0.dtype != torch.int64 or x0.shape != x_t.shape:
-            raise ValueError(f"x0 must be an int64 tensor of shape {tuple(x_t.shape)}, got "
-                             f"{getattr(x0, 'dtype', type(x0).__name__)} {tuple(getattr(x0, 'shape', ()))}")
+        if not isinstance(x0, torch.Tensor) or x0.dtype != torch.int64:
+            raise TypeError(f"x0 must be an int64 torch.Tensor, got {getattr(x0, 'dtype', type(x0).__name__)}")
+        if x0.shape != x_t.shape:
+            raise ValueError(f"x0 must have the shape of x_t {tuple(x_t.shape)}, got {tuple(x0.shape)}")
         hidden = self.hidden_states(x_t, t)  # (B, T, C)
         t_rows = t[:, None].expand(x_t.shape)  # (B, T)
         weight = loss_weights(x_t, t, self.noise, self.mask_id)

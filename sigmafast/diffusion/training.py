@@ -22,18 +22,6 @@ def get_batch(model: DiffusionGPT, task, batch_size: int, generator: torch.Gener
     return make_batch(model, x0, generator).to(device)
 
 
-class DiffusionLoss(torch.nn.Module):
-    """``model.loss`` as a module call on a :class:`DiffusionBatch`, so that DDP and ``torch.compile``
-    wrap the chunked loss."""
-
-    def __init__(self, model: DiffusionGPT) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.model.loss(x0, x_t, t)
-
-
 @torch.no_grad()
 def estimate_val_loss(model: DiffusionGPT, xs, generator: torch.Generator, autocast, device) -> float:
     """Mean loss over the clean batches ``xs``, noised from ``generator`` (seed it identically at every
