@@ -50,6 +50,7 @@ POS_ENCODINGS = (
     "rope", "rope+sinusoidal", "rope+learned",
     "rope-v", "rope-v+sinusoidal", "rope-v+learned",
 )
+EMBEDDING_INITS = ("normal", "orthogonal")
 ROPE_BASE = 10000.0
 PE_SCALE = 0.02 * math.sqrt(2.0)  # channel RMS 0.02, as the token embeddings at init
 
@@ -72,6 +73,7 @@ class SigmaGPTConfig:
     bias: bool = True
     pos_encoding: str = "sinusoidal"
     bos_token_id: Optional[int] = None
+    embedding_init: str = "normal"  # "orthogonal": orthonormal token rows, at the normal init's norm
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -90,6 +92,10 @@ class SigmaGPTConfig:
         if self.pos_encoding not in POS_ENCODINGS:
             raise ValueError(
                 f"SigmaGPTConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}"
+            )
+        if self.embedding_init not in EMBEDDING_INITS:
+            raise ValueError(
+                f"SigmaGPTConfig.embedding_init must be one of {EMBEDDING_INITS}, got {self.embedding_init!r}"
             )
         if self.bos_token_id is None:
             self.bos_token_id = self.vocab_size - 1
@@ -291,6 +297,19 @@ class SigmaGPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.embedding_init == "orthogonal":
+            self._orthogonal_embedding(self.lm_head.weight)
+
+    @staticmethod
+    @torch.no_grad()
+    def _orthogonal_embedding(weight: torch.Tensor) -> None:
+        """Orthonormal rows (or columns when V > C) rescaled to the N(0, 0.02) init's row norm.
+
+        A set of visited tokens is read out of the mean of their embeddings (the permutation
+        task): with orthogonal rows the mean has no cross-talk between tokens.
+        """
+        nn.init.orthogonal_(weight)
+        weight.mul_(0.02 * math.sqrt(weight.shape[1]) / weight.norm(dim=1, keepdim=True).clamp_min(1e-12))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -77,14 +77,26 @@ def learning_rate(it: int, cfg: TrainConfig) -> float:
 
 
 def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on the >= 2-D weights only; fused on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    """AdamW with weight decay on the >= 2-D weights only; fused on CUDA.
+
+    Each group's ``lr_scale`` multiplies the scheduled learning rate: ``embedding_lr_scale`` for
+    the token embedding (tied to the LM head), ``final_norm_lr_scale`` for the final LayerNorm.
+    Groups with equal settings are merged, so the default config has two.
+    """
+    groups: dict[tuple[bool, float], list] = {(True, 1.0): [], (False, 1.0): []}  # (decayed, lr_scale)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        scale = 1.0
+        if name.split(".")[-2:] in (["wte", "weight"], ["lm_head", "weight"]):
+            scale = cfg.embedding_lr_scale
+        elif name.split(".")[-2] == "ln_f":
+            scale = cfg.final_norm_lr_scale
+        groups.setdefault((p.dim() >= 2, scale), []).append(p)
+    param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decayed else 0.0, "lr_scale": scale,
+                     "lr": cfg.lr * scale} for (decayed, scale), ps in groups.items() if ps]
     extra = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **extra)
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **extra)
 
 
 def estimate_mfu(config: SigmaGPTConfig, n_params: int, seq_len: int, tokens_per_s: float, device) -> Optional[float]:
@@ -294,7 +306,7 @@ class _Trainer:
         """One optimiser step; returns this rank's mean micro-batch loss (a device tensor, no sync)."""
         lr = learning_rate(it, self.cfg)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # no lr_scale in checkpoints before it
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             index = self.layout.rank * self.accum + micro

@@ -18,7 +18,7 @@ from typing import Optional
 
 from .diffusion.model import OBJECTIVES, DiffusionConfig
 from .diffusion.noise import NOISES
-from .model import POS_ENCODINGS, PRESETS
+from .model import EMBEDDING_INITS, POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
 from .tasks import TASK_NAMES
 
@@ -50,11 +50,11 @@ PAPER_TASKS = ("owt", "wikitext103")
 TASK_RECIPES: dict[str, dict] = {
     # rope-v: 97.4% valid AR samples after the default 2000 steps (rope 84.5%, sinusoidal 26.2%)
     "step": dict(pos_encoding="rope-v"),
-    # one layer of width 256, batch 16, no weight decay: random-order loss 4.08 / 3.99 / 3.93 at steps
-    # 1000 / 3000 / 6000 (20 min on the 2-core CPU); the earlier 2 x 256 recipe was at 4.00 after 1000 steps
-    # and 18 min (uniform 4.61, optimum 3.64). No valid samples yet (benchmarks/RESULTS.md, "Recipes").
+    # one layer of width 256; orthogonal token embeddings, learnt 30x slower, and a final LayerNorm
+    # (the logits' scale) learnt 30x faster: see benchmarks/RESULTS.md, "Recipes"
     "permutation": dict(pos_encoding="rope", preset="tiny", n_layer=1, n_embd=256, n_head=2, lr=3e-3,
-                        weight_decay=0.0, batch_size=16, max_iters=6000),
+                        weight_decay=0.0, batch_size=16, embedding_init="orthogonal", embedding_lr_scale=0.03,
+                        final_norm_lr_scale=30.0, eval_interval=500, max_iters=13000),
     # rope-v + curriculum, small, T=256, 1500 steps: random-order 2.00 (rope 2.07, sinusoidal 3.30),
     # l2r 1.69 (rope 1.73; the GPT 1.645)
     "char": dict(pos_encoding="rope-v", order="curriculum"),
@@ -63,7 +63,7 @@ TASK_RECIPES: dict[str, dict] = {
 }
 TASK_LEVEL_FIELDS = ("pos_encoding", "order", "curriculum_start")
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding")
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding", "embedding_init")
 
 
 def _field(default, help_text: str, choices: Optional[tuple] = None):
@@ -89,6 +89,7 @@ class TrainConfig:
     dropout: Optional[float] = _field(None, "dropout (default: 0)")
     bias: Optional[bool] = _field(None, "biases in Linear/LayerNorm (default: on)")
     pos_encoding: Optional[str] = _field(None, "positional encoding (default: sinusoidal)", POS_ENCODINGS)
+    embedding_init: Optional[str] = _field(None, "token embedding init (default: normal)", EMBEDDING_INITS)
     seq_len: Optional[int] = _field(None, "sequence length of the 1-D and text tasks (default: the task's)")
     text: Optional[str] = _field(None, "UTF-8 text file, required by --task char (default: none)")
     data_dir: Optional[str] = _field(None, "train.bin / val.bin folder for owt, wikitext103 (default: data/<task>)")
@@ -103,6 +104,10 @@ class TrainConfig:
     warmup_iters: Optional[int] = _field(None, "linear warm-up steps" + _PRESET)
     lr_decay_iters: Optional[int] = _field(None, "cosine decay length (default: max_iters)")
     weight_decay: Optional[float] = _field(None, "AdamW weight decay on >=2-D weights" + _PRESET)
+    embedding_lr_scale: Optional[float] = _field(
+        None, "learning-rate multiplier of the token embedding, tied to the LM head (default: 1)")
+    final_norm_lr_scale: Optional[float] = _field(
+        None, "learning-rate multiplier of the final LayerNorm, which sets the logits' scale (default: 1)")
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: Optional[float] = _field(None, "AdamW beta2" + _PRESET)
     grad_clip: float = _field(1.0, "gradient norm clip (0 disables)")
@@ -143,12 +148,15 @@ class TrainConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         if self.pos_encoding is not None:
             _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
+        if self.embedding_init is not None:
+            _check_choice("embedding_init", self.embedding_init, EMBEDDING_INITS)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"TrainConfig.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "max_iters", "batch_size",
                      "grad_accum", "lr_decay_iters", "eval_interval", "eval_iters", "log_interval"):
             _check_range(name, getattr(self, name), low=1)
-        for name in ("warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr"):
+        for name in ("warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr", "embedding_lr_scale",
+                     "final_norm_lr_scale"):
             _check_range(name, getattr(self, name), low=0)
         _check_range("lr", self.lr, low=0, strict=True)
         for name in ("beta1", "beta2", "dropout"):
@@ -250,7 +258,8 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
     ``seq_len`` is the task's; ``world_size`` the number of DDP ranks, which
     must divide ``grad_accum``.
     """
-    preset = {**TRAIN_PRESETS[cfg.preset], "order": "random", "curriculum_start": 0.5, **cfg.recipe()}
+    preset = {**TRAIN_PRESETS[cfg.preset], "order": "random", "curriculum_start": 0.5, "embedding_lr_scale": 1.0,
+              "final_norm_lr_scale": 1.0, **cfg.recipe()}
     values = {k: (preset[k] if getattr(cfg, k) is None and k in preset and k != "min_lr" else getattr(cfg, k))
               for k in (f.name for f in dataclasses.fields(cfg))}
     if cfg.grad_accum is None:  # at least one micro-step per rank

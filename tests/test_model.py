@@ -191,8 +191,9 @@ def test_rope_v_outputs_carry_the_offset_of_what_was_read(pos_encoding):
         (dict(dropout=1.0), "dropout must be in"),
         (dict(pos_encoding="alibi"), "pos_encoding must be one of"),
         (dict(bos_token_id=11), "bos_token_id must be an int in"),
+        (dict(embedding_init="xavier"), "embedding_init must be one of"),
     ],
-    ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "pos-encoding", "bos-range"],
+    ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "pos-encoding", "bos-range", "embedding-init"],
 )
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -208,6 +209,24 @@ def test_config_round_trip_and_unknown_fields():
     assert SigmaGPTConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown SigmaGPTConfig fields"):
         SigmaGPTConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
+
+
+@pytest.mark.parametrize("vocab_size,n_embd", [(11, 32), (40, 16)], ids=["rows-fit", "more-rows-than-width"])
+def test_orthogonal_embedding_init(vocab_size, n_embd):
+    torch.manual_seed(0)
+    config = SigmaGPTConfig(vocab_size=vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=n_embd,
+                            embedding_init="orthogonal")
+    w = SigmaGPT(config).wte.weight.detach().double()  # tied to lm_head
+    norms = w.norm(dim=1)
+    torch.testing.assert_close(norms, torch.full_like(norms, 0.02 * n_embd ** 0.5))
+    cos = (w / norms[:, None]) @ (w / norms[:, None]).T
+    off = cos - torch.diag(cos.diagonal())
+    if vocab_size <= n_embd:
+        assert off.abs().max() < 1e-6  # orthonormal rows
+    else:
+        assert torch.linalg.matrix_rank(w) == n_embd  # orthonormal columns, full rank
+    normal = SigmaGPT(tiny_config()).wte.weight.detach()
+    assert normal.norm(dim=1).std() > 0  # the default init stays N(0, 0.02)
 
 
 def test_input_validation(model):

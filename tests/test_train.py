@@ -197,6 +197,25 @@ def test_weight_decay_only_on_matrices():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
+def test_lr_scales_group_the_embedding_and_final_norm():
+    cfg = resolve(TrainConfig(task="step", embedding_lr_scale=0.5, final_norm_lr_scale=10.0), 12)
+    model = SigmaGPT(build_model_config(cfg, get_task("step", seq_len=12)))
+    groups = {(g["weight_decay"], g["lr_scale"]): g["params"] for g in configure_optimizer(
+        model, cfg, torch.device("cpu")).param_groups}
+    assert set(groups) == {(0.1, 1.0), (0.0, 1.0), (0.1, 0.5), (0.0, 10.0)}
+    assert groups[(0.1, 0.5)] == [model.lm_head.weight] and groups[(0.0, 10.0)] == [model.ln_f.weight, model.ln_f.bias]
+    assert sum(len(ps) for ps in groups.values()) == len(list(model.parameters()))
+
+
+def test_zero_embedding_lr_scale_freezes_the_embedding(tmp_path):
+    cfg = small_cfg(tmp_path, embedding_lr_scale=0.0, max_iters=3, seed=5)
+    torch.manual_seed(cfg.seed)
+    initial = SigmaGPT(build_model_config(resolve(cfg, 12), get_task("permutation", seq_len=12)))
+    trained = train(cfg).model
+    torch.testing.assert_close(trained.wte.weight, initial.wte.weight, rtol=0, atol=0)
+    assert not torch.equal(trained.ln_f.weight, initial.ln_f.weight)
+
+
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium"])
 def test_paper_recipe(preset):
     cfg = resolve(TrainConfig(task="owt", preset=preset), seq_len=1024, world_size=8)
@@ -238,9 +257,13 @@ def test_grad_accum_must_split_across_ranks():
         (dict(device="cuda:x"), ValueError, "TrainConfig.device"),
         (dict(pos_encoding="alibi"), ValueError, "TrainConfig.pos_encoding"),
         (dict(seq_len=0), ValueError, "TrainConfig.seq_len must be >= 1"),
+        (dict(embedding_init="xavier"), ValueError, "TrainConfig.embedding_init"),
+        (dict(embedding_lr_scale=-1.0), ValueError, "TrainConfig.embedding_lr_scale must be >= 0"),
+        (dict(final_norm_lr_scale="2"), TypeError, "TrainConfig.final_norm_lr_scale must be"),
     ],
     ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",
-         "curriculum", "min_lr", "dtype", "device", "cuda-index", "pos-encoding", "seq-len"],
+         "curriculum", "min_lr", "dtype", "device", "cuda-index", "pos-encoding", "seq-len", "embedding-init",
+         "embedding-lr-scale", "norm-lr-scale-type"],
 )
 def test_config_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
