@@ -87,10 +87,11 @@ def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
+        owner = name.split(".")[-2:-1]  # the module that holds it, [] at the top level
         scale = 1.0
-        if name.split(".")[-2:] in (["wte", "weight"], ["lm_head", "weight"]):
+        if owner in (["wte"], ["lm_head"]):
             scale = cfg.embedding_lr_scale
-        elif name.split(".")[-2] == "ln_f":
+        elif owner == ["ln_f"]:
             scale = cfg.final_norm_lr_scale
         groups.setdefault((p.dim() >= 2, scale), []).append(p)
     param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decayed else 0.0, "lr_scale": scale,
