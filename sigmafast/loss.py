@@ -51,11 +51,8 @@ def _chunk_loss(h, weight, y, adjust, args, w) -> tuple[torch.Tensor, torch.Tens
 
 
 def _rows(tensors, start: int, stop: int) -> tuple:
-    return tuple(t[start:stop] for t in tensors)
-
-
-def _weight_rows(row_weight, start: int, stop: int):
-    return None if row_weight is None else row_weight[start:stop]
+    """Rows start:stop of each tensor; None entries stay None."""
+    return tuple(None if t is None else t[start:stop] for t in tensors)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -69,7 +66,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         for start in range(0, hidden.shape[0], rows):
             h, y = hidden[start:start + rows], targets[start:start + rows]
-            w = _weight_rows(row_weight, start, start + rows)
+            (w,) = _rows((row_weight,), start, start + rows)
             loss, logits = _chunk_loss(h, weight, y, adjust, _rows(row_args, start, start + rows), w)
             total += loss
             if grad_h is None and grad_w is None:
@@ -132,5 +129,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, targets, rows, adjust, row_args, row_weight)
     total = sum(_chunk_loss(hidden[i:i + rows], weight, targets[i:i + rows], adjust, _rows(row_args, i, i + rows),
-                            _weight_rows(row_weight, i, i + rows))[0] for i in range(0, hidden.shape[0], rows))
+                            _rows((row_weight,), i, i + rows)[0])[0] for i in range(0, hidden.shape[0], rows))
     return total / (targets != IGNORE_INDEX).sum().clamp_min(1)

@@ -303,7 +303,8 @@ class SigmaGPT(nn.Module):
     @staticmethod
     @torch.no_grad()
     def _orthogonal_embedding(weight: torch.Tensor) -> None:
-        """Orthonormal rows (or columns when V > C) rescaled to the N(0, 0.02) init's row norm.
+        """``orthogonal_`` (orthonormal rows when V <= C, columns otherwise), each row then rescaled to
+        the N(0, 0.02) init's expected norm 0.02 sqrt(C).
 
         A set of visited tokens is read out of the mean of their embeddings (the permutation
         task): with orthogonal rows the mean has no cross-talk between tokens.
