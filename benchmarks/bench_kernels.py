@@ -13,6 +13,10 @@ copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=
 * acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary;
   acceptance_from_hidden: the same from (B, O, R, 768) hidden states and the LM head.
 
+Each case is timed twice: eagerly (``ms``: Python's launch cost included, which dominates the small
+attention cases) and replayed as a CUDA graph (``graph_ms``: the device time, as in the engine's captured
+steps).
+
 Skipped with a reason without CUDA.
 """
 
@@ -41,15 +45,41 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / ms / 1e6
 
 
+def _graph_ms(fn):
+    """Median ms of ``fn`` replayed as a CUDA graph (L2 flushed between replays, as ``do_bench`` does): the
+    device time without Python's launch cost, which the engine's captured steps never pay. None (with
+    the error) when ``fn`` cannot be captured."""
+    from triton.testing import do_bench
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream (cuBLAS workspaces, allocator)
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+    return do_bench(graph.replay, warmup=10, rep=100), None
+
+
 def _run(benchmark, fn, nbytes: int, copy_gbps: float, **info) -> None:
     from triton.testing import do_bench
 
     fn()  # compile outside the timings
     torch.cuda.synchronize()
     ms = do_bench(fn, warmup=10, rep=100)
+    graph_ms, graph_error = _graph_ms(fn)
     gbps = nbytes / ms / 1e6
+    graph_gbps = None if graph_ms is None else nbytes / graph_ms / 1e6
     benchmark.extra_info.update(
         ms=ms, bytes=nbytes, gbps=gbps, copy_gbps=copy_gbps, fraction_of_copy_bw=gbps / copy_gbps,
+        graph_ms=graph_ms, graph_gbps=graph_gbps, graph_error=graph_error,
+        graph_fraction_of_copy_bw=None if graph_gbps is None else graph_gbps / copy_gbps,
         **info, **device_info(torch.device("cuda")),
     )
     benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=20, iterations=1, warmup_rounds=2)

@@ -2,7 +2,8 @@
 # One call on a lent GPU: the CUDA tests, the engine and kernel benchmarks, a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
-# GPU_PARTS (the parts to run, in order). pytest-benchmark writes its JSON only when a session ends, so a
+# GPU_PARTS (the parts to run, in order; engine-ar and engine-burst split the engine selection in two, each
+# with its own JSON). pytest-benchmark writes its JSON only when a session ends, so a
 # part's limit must cover its whole selection; -k also matches the module name, so select by test
 # function (test_engine, test_hf, test_anchor, test_first_call) and parameter ids, never "engine".
 set -uo pipefail
@@ -27,6 +28,10 @@ for part in ${GPU_PARTS:-tests engine kernels profile inductor}; do
     tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/engine.json" -k "${GPU_ENGINE_K:-not inductor}" ;;
+    engine-ar) run engine-ar "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
+        --benchmark-json="$OUT/engine_ar.json" -k "test_first_call or (test_engine and ar- and not inductor)" ;;
+    engine-burst) run engine-burst "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py \
+        "${BENCH[@]}" --benchmark-json="$OUT/engine_burst.json" -k "test_engine and burst-" ;;
     kernels) run kernels "${GPU_KERNELS_LIMIT:-60}" python -m pytest benchmarks/bench_kernels.py "${BENCH[@]}" \
         --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
     profile) run profile "${GPU_PROFILE_LIMIT:-60}" python benchmarks/profile_steps.py --shape gpt2 --batch 1 ;;
@@ -35,3 +40,4 @@ for part in ${GPU_PARTS:-tests engine kernels profile inductor}; do
     esac
 done
 cat "$OUT/summary.txt"
+python benchmarks/gpu_summary.py "$OUT"/*.json

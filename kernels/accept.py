@@ -30,9 +30,8 @@ import triton
 import triton.language as tl
 
 from .reference import RULES, Acceptance, decide
-from .utils import (
-    check_block_v, check_float, kth_largest, load_logits, online_lse, row_stride, rows_ready, vocab_config,
-)
+from .utils import check_block_v, check_float, kth_largest, online_lse, row_stride, rows_ready, vocab_config
+from .vocab import aligned_rows, row_window, window_load
 
 
 SCORINGS = ("matmul", "fused")
@@ -49,21 +48,25 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
 @triton.jit(do_not_specialize=["s_x", "N"])
 def _draft_argmax_kernel(
     X, ARGMAX, s_x, N, V,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """(N,) first argmax of each logit row (greedy verification)."""
+    """(N,) first argmax of each logit row (greedy verification), over aligned row windows."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
-    p_x = X + o_n64[:, None] * (s_x * STRIDE_UNIT)  # (BLOCK_N, 1); see utils for STRIDE_UNIT
-    o_b = tl.arange(0, BLOCK_V)
+    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each; see vocab
+    p_x = X + o_base[:, None]  # (BLOCK_N, 1)
     b_best = tl.full([BLOCK_N], float("-inf"), tl.float32)
     b_arg = tl.zeros([BLOCK_N], tl.int32)
-    for start in range(0, V, BLOCK_V):
-        o_v = start + o_b[None, :]
-        b_x = tl.load(p_x + o_v, mask=m_n[:, None] & (o_v < V), other=float("-inf")).to(tl.float32)
+    for start in range(0, V + ALIGN - 1, BLOCK_V):
+        o_b = start + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
+        o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
+        m_w = m_n[:, None] & (o_b < end[:, None])
+        m_v = m_w & (o_v >= 0) & (o_v < V)
+        b_x = tl.load(p_x + o_b, mask=m_w, other=float("-inf")).to(tl.float32)
+        b_x = tl.where(m_v, b_x, float("-inf"))
         c_max = tl.max(b_x, 1)
-        c_arg = tl.min(tl.where(b_x == c_max[:, None], o_v, V), 1)  # first index of the chunk max
+        c_arg = tl.min(tl.where((b_x == c_max[:, None]) & m_v, o_v, V), 1)  # first index of the chunk max
         b_arg = tl.where(c_max > b_best, c_arg, b_arg)
         b_best = tl.maximum(b_best, c_max)
     tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
@@ -73,13 +76,15 @@ def _draft_argmax_kernel(
 def _draft_logq_kernel(
     X, DRAFT, KTH, LOGQ, s_x, N, V, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """(N,) log q of each row's draft under the processed (temperature, top-k) softmax."""
+    """(N,) log q of each row's draft under the processed (temperature, top-k) softmax. Rows are read as
+    16-byte aligned windows (vocab.row_window), so every load is a 16-byte vector whatever the row stride."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
-    p_x = X + o_n64[:, None] * (s_x * STRIDE_UNIT)  # (BLOCK_N, 1); see utils for STRIDE_UNIT
-    o_b = tl.arange(0, BLOCK_V)
+    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each; see vocab
+    p_x = X + o_base[:, None]  # (BLOCK_N, 1)
     kth = tl.zeros([BLOCK_N, 1], tl.float32)
     if HAS_TOPK:
         kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
@@ -87,9 +92,12 @@ def _draft_logq_kernel(
     b_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     b_s = tl.zeros([BLOCK_N], tl.float32)
     b_xd = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK_V):
-        o_v = start + o_b[None, :]
-        b_x = load_logits(p_x, o_v, m_n[:, None] & (o_v < V), kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
+    for start in range(0, V + ALIGN - 1, BLOCK_V):
+        o_b = start + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
+        o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
+        m_w = m_n[:, None] & (o_b < end[:, None])
+        m_v = m_w & (o_v >= 0) & (o_v < V)
+        b_x = window_load(p_x, o_b, m_w, m_v, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
         b_m, b_s = online_lse(b_m, b_s, b_x)
         b_xd = tl.maximum(b_xd, tl.max(tl.where(o_v == d[:, None], b_x, float("-inf")), 1))
     b_m = tl.where(m_n, b_m, 0.0)
@@ -134,10 +142,11 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None) -> torch.T
     res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=logits.device)
     if N == 0:
         return res
-    logits = rows_ready(logits, unit)
+    logits = aligned_rows(logits, unit)
     drafts = drafts.contiguous()
     grid = (triton.cdiv(N, block_n),)
-    meta = dict(BLOCK_N=block_n, BLOCK_V=block_v, STRIDE_UNIT=unit, num_warps=num_warps)
+    align = 16 // logits.element_size()  # elements per 16-byte vector
+    meta = dict(BLOCK_N=block_n, BLOCK_V=block_v, STRIDE_UNIT=unit, ALIGN=align, num_warps=num_warps)
     if greedy:
         _draft_argmax_kernel[grid](logits, res, row_stride(logits) // unit, N, V, **meta)
     else:

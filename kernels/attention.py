@@ -25,6 +25,8 @@ from DRAM; for O·R <= BLOCK_M exactly one read.
 Compiles once per dtype and head dim: the tiles (BLOCK_M, BLOCK_N, BLOCK_D) and
 launch options depend on those only; the split count is a runtime argument
 (``HAS_SPLITS`` is the one data-shape constexpr, so at most two variants);
+by default a split gets at least ``utils.min_split_keys`` cache keys, since
+below that the combine launch costs more than the split saves;
 every size and stride is in ``do_not_specialize``. The launcher makes the
 innermost (head-dim) stride 1 and, for D % 16 == 0, every other stride a
 multiple of 16 (copying the rare input that is not), so ``STRIDE_UNIT`` too is
@@ -40,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import check_float, check_int, check_same, in_units, num_sms, strides
+from .utils import check_float, check_int, check_same, in_units, min_split_keys, num_sms, strides
 
 MAX_HEAD_DIM = 256
 
@@ -244,6 +246,7 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
         programs = B * H * n_m
         target = 2 * num_sms(q.device)
         num_splits = 1 if programs >= target else min(triton.cdiv(target, programs), 32)
+        num_splits = min(num_splits, max(1, n_tiles * BLOCK_N // min_split_keys(q.device)))
     tiles_per_split = triton.cdiv(n_tiles, max(1, min(int(num_splits), n_tiles)))
     num_splits = triton.cdiv(n_tiles, tiles_per_split)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

@@ -106,6 +106,13 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+def min_split_keys(device: torch.device) -> int:
+    """Fewest cache keys per automatic KV split. On CUDA 512: a GPT-2 decode step (B = 1, cache 768) with
+    13 one-tile splits spent 8 µs per layer in the combine against 6 µs in the attention itself (H200
+    profile, benchmarks/RESULTS.md). In the CPU interpreter 32, so that small tests still split."""
+    return 512 if device.type == "cuda" else 32
+
+
 def strides(t: torch.Tensor) -> tuple:
     """``t.stride()`` with 0 for the size-1 dimensions (whose stride is never used, and may be anything)."""
     return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
@@ -114,15 +121,6 @@ def strides(t: torch.Tensor) -> tuple:
 def in_units(unit: int, *stride_values: int) -> tuple:
     """Strides divided by the kernels' ``STRIDE_UNIT`` (exact: the launcher chose ``unit`` so)."""
     return tuple(s // unit for s in stride_values)
-
-
-@triton.jit
-def load_logits(ptr, o_v, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
-    """Logits as fp32, -inf where masked or below the top-k threshold, over the temperature."""
-    b_x = tl.load(ptr + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
-    if HAS_TOPK:
-        b_x = tl.where(b_x < kth, float("-inf"), b_x)
-    return tl.math.div_rn(b_x, temperature)  # IEEE division, as torch's logits / temperature
 
 
 @triton.jit

@@ -81,7 +81,8 @@ def row_window(o_n64, s_x, V, ALIGN: tl.constexpr):
 
 @triton.jit
 def window_load(ptr, o_b, m_w, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
-    """``load_logits`` at window offsets o_b: vector-granular load mask m_w, column mask m_v after."""
+    """Logits at window offsets o_b as fp32 (vector-granular load mask m_w, column mask m_v after), -inf
+    where masked or below the top-k threshold, over the temperature."""
     b_x = tl.load(ptr + o_b, mask=m_w, other=float("-inf")).to(tl.float32)
     b_x = tl.where(m_v, b_x, float("-inf"))
     if HAS_TOPK:

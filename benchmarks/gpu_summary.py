@@ -1,0 +1,40 @@
+"""One line per benchmark of the JSON files ``gpu_check.sh`` wrote: the figures RESULTS.md quotes.
+
+Usage: python benchmarks/gpu_summary.py OUT/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+KEYS = ("ms", "graph_ms", "graph_fraction_of_copy_bw", "fraction_of_copy_bw", "graph_error", "ms_per_token",
+        "ms_per_iteration", "synced_later_iterations_ms_median", "iterations_max", "first_call_s",
+        "first_call_variants", "later_calls_s", "later_calls_variants", "max_variants_per_kernel", "warmup_s")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    for path in args.files:
+        if not path.exists():
+            print(f"{path}: missing (its part did not finish)")
+            continue
+        for b in json.loads(path.read_text())["benchmarks"]:
+            info = b.get("extra_info", {})
+            shown = " ".join(f"{k}={_fmt(info[k])}" for k in KEYS if info.get(k) is not None)
+            print(f"{b['name']}: median {1e3 * b['stats']['median']:.4g} ms {shown}")
+
+
+if __name__ == "__main__":
+    main()
