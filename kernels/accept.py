@@ -1,21 +1,23 @@
-"""Triton acceptance: log q of each draft by an online log-sum-exp plus a gather.
+"""Triton acceptance: log q of each draft from split-V log-sum-exp partials plus a gather.
 
-The kernel streams each verifier logit row once, in (rows, BLOCK_V) chunks,
-keeping a running max and sum of exponentials and picking out the draft's
-logit on the way (greedy: a second kernel takes the first argmax instead, so
-that each compiles at most twice per dtype and V: with and without top-k).
-Rows per program depend on BLOCK_V only. Only (B, O, R) values are
-written; the probabilities are never materialised. Top-k uses the k-th largest
-logit per row from ``torch.topk`` (an (N, k) temporary) as a threshold. The
-accept/reject decisions are a handful of (B, O, R) torch ops, the same as the
-reference's, so they agree with it exactly for the same log q. (A split-V
-variant built on ``vocab.chunk_stats``, as ``sample`` uses, measured 1.33× the
-torch reference's time on an H200 at 1280 rows × 50257, where this single pass
-matches the reference; so this one stays.)
+log q(d) = x_d / T - logsumexp(x / T) over the processed (temperature, top-k)
+logits. ``vocab.chunk_stats`` streams every (row block, vocabulary chunk) tile
+once with 16-byte loads (the split-V design of vocab.py) and writes a max and a
+sum of exponentials per (row, chunk); ``_logq_finish_kernel`` combines a row's
+partials into its log-sum-exp and reads the draft's one logit. Greedy
+verification takes the first argmax instead (``_draft_argmax_kernel``, one
+pass over aligned row windows). Only (B, O, R) values are written; the
+probabilities are never materialised. Top-k uses the k-th largest logit per
+row from ``torch.topk`` (an (N, k) temporary) as a threshold. The accept/reject
+decisions are a handful of (B, O, R) torch ops, the same as the reference's,
+so they agree with it exactly for the same log q. On an H200 at 1280 rows ×
+50257 this takes 96 µs in bf16 (101 µs in fp32) where the previous single-pass
+kernel (one row per program, a serial loop over the row) took 133 µs (144 µs),
+CUDA-graph timings (benchmarks/RESULTS.md).
 
 :func:`acceptance_from_hidden` takes the final hidden states and the LM-head
 weight instead: by default a cuBLAS matmul per row chunk feeding the same
-kernel (one chunk of logits at a time), or (``scoring="fused"``) a kernel that
+kernels (one chunk of logits at a time), or (``scoring="fused"``) a kernel that
 computes each logit tile with a tl.dot inside the same online log-sum-exp, so
 the (B·O·R, V) logits are never written. Its tiles are fixed
 (``LM_HEAD_TILES``), its only constexpr choice is greedy or not.
@@ -31,12 +33,13 @@ import triton.language as tl
 
 from .reference import RULES, Acceptance, decide
 from .utils import check_block_v, check_float, kth_largest, online_lse, row_stride, rows_ready, vocab_config
-from .vocab import aligned_rows, row_window, window_load
+from .vocab import aligned_rows, chunk_stats, row_masses, row_window, split_config
 
 
 SCORINGS = ("matmul", "fused")
 SCORING = "matmul"  # H200, 1280 x 768 -> 50257 bf16 (issue 10): fused 3.30 ms, matmul + log q kernel 1.21 ms
 CHUNK_ELEMENTS = 1 << 25  # logits per matmul chunk (64 MiB in bf16)
+FINISH_ROWS = 64  # rows per program of _logq_finish_kernel
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,37 +75,25 @@ def _draft_argmax_kernel(
     tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_x", "N"], do_not_specialize_on_alignment=["DRAFT", "KTH"])
-def _draft_logq_kernel(
-    X, DRAFT, KTH, LOGQ, s_x, N, V, temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    ALIGN: tl.constexpr,
+@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["DRAFT", "KTH"])
+def _logq_finish_kernel(
+    X, DRAFT, KTH, M, S, LOGQ, s_x, N, V, NC, temperature,
+    BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
 ):
-    """(N,) log q of each row's draft under the processed (temperature, top-k) softmax. Rows are read as
-    16-byte aligned windows (vocab.row_window), so every load is a 16-byte vector whatever the row stride."""
+    """(N,) log q of the drafts from the (N, NC) chunk partials of ``vocab.chunk_stats``: the draft's
+    processed logit minus the row log-sum-exp."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
-    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each; see vocab
-    p_x = X + o_base[:, None]  # (BLOCK_N, 1)
-    kth = tl.zeros([BLOCK_N, 1], tl.float32)
+    r_m, _, r_t = row_masses(M, S, o_n64, m_n, NC, NC_PAD)  # (BLOCK_N,) row max and sum exp(x - max)
+    d = tl.load(DRAFT + o_n64, mask=m_n, other=0).to(tl.int64)
+    m_d = m_n & (d >= 0) & (d < V)  # a draft outside the vocabulary has log q = -inf
+    b_xd = tl.load(X + o_n64 * (s_x * STRIDE_UNIT) + d, mask=m_d, other=float("-inf")).to(tl.float32)
     if HAS_TOPK:
-        kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
-    d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
-    b_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    b_s = tl.zeros([BLOCK_N], tl.float32)
-    b_xd = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    for start in range(0, V + ALIGN - 1, BLOCK_V):
-        o_b = start + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-        o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
-        m_w = m_n[:, None] & (o_b < end[:, None])
-        m_v = m_w & (o_v >= 0) & (o_v < V)
-        b_x = window_load(p_x, o_b, m_w, m_v, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
-        b_m, b_s = online_lse(b_m, b_s, b_x)
-        b_xd = tl.maximum(b_xd, tl.max(tl.where(o_v == d[:, None], b_x, float("-inf")), 1))
-    b_m = tl.where(m_n, b_m, 0.0)
-    b_s = tl.where(m_n, b_s, 1.0)
-    tl.store(LOGQ + o_n64, b_xd - b_m - tl.log(b_s), mask=m_n)
+        kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)
+        b_xd = tl.where(b_xd < kth, float("-inf"), b_xd)
+    b_xd = tl.math.div_rn(b_xd, temperature)
+    tl.store(LOGQ + o_n64, b_xd - r_m - tl.log(r_t), mask=m_n)
 
 
 def _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
@@ -137,24 +128,29 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None) -> torch.T
     """Launch (no checks): (N, V) logits, (N,) drafts -> (N,) float32 log q of the drafts, or the
     (N,) int64 argmax when ``temperature`` is 0."""
     N, V = logits.shape
-    block_v, block_n, num_warps, unit = vocab_config(V, block_v)
     greedy = temperature == 0
     res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=logits.device)
     if N == 0:
         return res
-    logits = aligned_rows(logits, unit)
     drafts = drafts.contiguous()
-    grid = (triton.cdiv(N, block_n),)
-    align = 16 // logits.element_size()  # elements per 16-byte vector
-    meta = dict(BLOCK_N=block_n, BLOCK_V=block_v, STRIDE_UNIT=unit, ALIGN=align, num_warps=num_warps)
     if greedy:
-        _draft_argmax_kernel[grid](logits, res, row_stride(logits) // unit, N, V, **meta)
-    else:
-        kth = kth_largest(logits, top_k)
-        _draft_logq_kernel[grid](
-            logits, drafts, kth if kth is not None else res, res, row_stride(logits) // unit, N, V, float(temperature),
-            HAS_TOPK=kth is not None, **meta,
+        block_v, block_n, num_warps, unit = vocab_config(V, block_v)
+        logits = aligned_rows(logits, unit)
+        _draft_argmax_kernel[(triton.cdiv(N, block_n),)](
+            logits, res, row_stride(logits) // unit, N, V,
+            BLOCK_N=block_n, BLOCK_V=block_v, STRIDE_UNIT=unit, ALIGN=16 // logits.element_size(),
+            num_warps=num_warps,
         )
+        return res
+    cfg = split_config(V, logits.dtype, block_v)
+    logits = aligned_rows(logits, cfg.unit)
+    kth = kth_largest(logits, top_k)
+    s_x = row_stride(logits) // cfg.unit
+    m, s = chunk_stats(logits, kth, temperature, cfg, s_x)  # (N, NC) each
+    _logq_finish_kernel[(triton.cdiv(N, FINISH_ROWS),)](
+        logits, drafts, kth if kth is not None else res, m, s, res, s_x, N, V, cfg.nc, float(temperature),
+        BLOCK_N=FINISH_ROWS, NC_PAD=cfg.nc_pad, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit, num_warps=4,
+    )
     return res
 
 

@@ -87,7 +87,9 @@ def window_load(ptr, o_b, m_w, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
     b_x = tl.where(m_v, b_x, float("-inf"))
     if HAS_TOPK:
         b_x = tl.where(b_x < kth, float("-inf"), b_x)
-    return tl.math.div_rn(b_x, temperature)  # IEEE division, as torch's logits / temperature
+    if temperature != 1.0:  # a uniform branch: x / 1 is x, and the IEEE division costs more than the load
+        b_x = tl.math.div_rn(b_x, temperature)  # as torch's logits / temperature
+    return b_x
 
 
 def aligned_rows(t: torch.Tensor, unit: int) -> torch.Tensor:

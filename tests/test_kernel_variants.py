@@ -139,7 +139,7 @@ def test_vocabulary_ops_over_row_counts():
                     acceptance_from_hidden(torch.randn(B, O, R, C, generator=g), weight, drafts, dl, ua, lens,
                                            temperature, top_k, scoring=scoring)
     _assert_bounded(v, ["_chunk_stats_kernel", "_residual_mass_kernel", "_sample_kernel", "_residual_kernel",
-                        "_draft_logq_kernel", "_draft_argmax_kernel", "_lm_head_logq_kernel"])
+                        "_logq_finish_kernel", "_draft_argmax_kernel", "_lm_head_logq_kernel"])
 
 
 def _infill(B, T, n_known, seed):
@@ -172,4 +172,4 @@ def test_generate_compiles_each_kernel_at_most_twice():
             assert out.shape == (idx.shape[0], idx.shape[1] + (new or 0))
     _assert_bounded(v, ["_cascade_attn_kernel", "_combine_kernel", "_chunk_stats_kernel", "_residual_mass_kernel",
                         "_sample_kernel", "_residual_kernel"])
-    assert {"_lm_head_logq_kernel", "_draft_logq_kernel"} & set(v.counts()), "no draft was scored"
+    assert {"_lm_head_logq_kernel", "_logq_finish_kernel"} & set(v.counts()), "no draft was scored"
