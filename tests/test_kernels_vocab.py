@@ -127,6 +127,17 @@ def test_draft_logq_edge_cases(case, poisoned_empty):
     assert torch.equal(draft_logq(x, drafts, 0.0, None, bv), x.argmax(-1))
 
 
+def test_draft_outside_the_vocabulary_has_log_q_minus_inf(poisoned_empty):
+    """A draft id outside [0, V) is never read from memory: its log q is -inf, the other rows are exact."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 300, generator=g)
+    drafts = torch.tensor([-1, 300, 10**6, 0, 299])
+    got = draft_logq(x, drafts, 0.9, None, 64)
+    assert torch.all(got[:3] == float("-inf"))
+    want = ref.log_probs(x[3:], 0.9, None).gather(-1, drafts[3:, None]).squeeze(-1)
+    torch.testing.assert_close(got[3:], want, rtol=0, atol=1e-5)
+
+
 def test_greedy_argmax_ties_across_chunks():
     """The first index of the max, also when it is repeated in later chunks (and in the same chunk)."""
     x = torch.randn(6, 100)
