@@ -11,9 +11,9 @@ probabilities are never materialised. Top-k uses the k-th largest logit per
 row from ``torch.topk`` (an (N, k) temporary) as a threshold. The accept/reject
 decisions are a handful of (B, O, R) torch ops, the same as the reference's,
 so they agree with it exactly for the same log q. On an H200 at 1280 rows ×
-50257 this takes 96 µs in bf16 (101 µs in fp32) where the previous single-pass
-kernel (one row per program, a serial loop over the row) took 133 µs (144 µs),
-CUDA-graph timings (benchmarks/RESULTS.md).
+50257 bf16 this takes 72.7 µs at temperature 1 (100 µs at 0.9, which divides)
+where the previous single-pass kernel (one row per program, a serial loop over
+the row) took 133 µs: CUDA-graph timings, benchmarks/RESULTS.md.
 
 :func:`acceptance_from_hidden` takes the final hidden states and the LM-head
 weight instead: by default a cuBLAS matmul per row chunk feeding the same

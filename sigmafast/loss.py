@@ -32,6 +32,25 @@ LOSS_CHUNK_ELEMENTS = 2**25  # logits per chunk (128 MiB in float32)
 IGNORE_INDEX = -1
 
 
+LOSS_WEIGHTINGS = ("uniform", "visited")
+
+
+def step_weights(weighting: str, seq_len: int) -> Optional[torch.Tensor]:
+    """(seq_len,) float32 weight of the target at each step of a σ-GPT sequence, mean 1; None for "uniform".
+
+    "visited": proportional to the number of tokens visited before the target, ``k + 1/2`` at step k. Every
+    step's conditional keeps its optimum (the loss is a weighted sum of separate conditionals); the
+    gradient moves to the late steps, whose many visited tokens make them the hardest (permutation: a value
+    seen among 90 must get almost no mass).
+    """
+    if weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss weighting must be one of {LOSS_WEIGHTINGS}, got {weighting!r}")
+    if weighting == "uniform":
+        return None
+    w = torch.arange(seq_len, dtype=torch.float32) + 0.5
+    return w / w.mean()
+
+
 def chunk_rows(vocab_size: int, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> int:
     """Rows per chunk so that one chunk holds at most ``chunk_elements`` logits."""
     return max(1, chunk_elements // vocab_size)

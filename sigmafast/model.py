@@ -404,11 +404,20 @@ class SigmaGPT(nn.Module):
         return logits, loss
 
     def loss(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor,
-             targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of the (B, T) targets (-1 ignored), chunked: no (B, T, V) logits."""
+             targets: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean cross-entropy of the (B, T) targets (-1 ignored), chunked: no (B, T, V) logits. ``weight``
+        (B, T) (or broadcastable to it) scales each target's term: ``sum w_n CE_n / N_valid``."""
         self._check_targets(targets, tokens)
         hidden = self.hidden_states(tokens, in_pos, out_pos)  # (B, T, C)
-        return linear_cross_entropy(hidden, self.lm_head.weight, targets)
+        if weight is not None:
+            if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+                raise TypeError(f"weight must be a float torch.Tensor, got {getattr(weight, 'dtype', type(weight))}")
+            try:
+                weight = weight.expand_as(targets)
+            except RuntimeError:
+                raise ValueError(f"weight of shape {tuple(weight.shape)} does not broadcast to the targets' "
+                                 f"{tuple(targets.shape)}") from None
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets, row_weight=weight)
 
     @staticmethod
     def _check_targets(targets: torch.Tensor, tokens: torch.Tensor) -> None:

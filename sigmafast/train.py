@@ -31,6 +31,7 @@ from .checkpoint import (
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
 from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
+from .loss import step_weights
 from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
 from .signals import StopRequest
@@ -148,7 +149,8 @@ def make_val_batches(task, cfg: TrainConfig) -> list[tuple[torch.Tensor, torch.T
 
 class ModelLoss(torch.nn.Module):
     """``model.loss(*batch)`` as a module call, so that DDP and ``torch.compile`` wrap the chunked loss
-    of either objective (a σ-GPT batch: tokens, in_pos, out_pos, targets; a diffusion batch: x0, x_t, t)."""
+    of either objective (a σ-GPT batch: tokens, in_pos, out_pos, targets[, step weights]; a diffusion batch:
+    x0, x_t, t)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -230,6 +232,9 @@ class _Trainer:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             net = DistributedDataParallel(net, device_ids=device_ids)
         self.net = net
+        self.step_weight = step_weights(cfg.loss_weighting, self.task.seq_len)  # (T,) or None
+        if self.step_weight is not None:
+            self.step_weight = self.step_weight.to(self.device)
         self.accum = cfg.grad_accum // layout.world_size
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.task.seq_len
         self.train_log: list[dict] = []
@@ -329,7 +334,8 @@ class _Trainer:
         if self.cfg.objective == "diffusion":  # same data stream; the noise is drawn after the rows
             g = _generator(self.cfg.seed, _TRAIN_STREAM, it, index)
             return diffusion_training.get_batch(self.model, self.task, self.cfg.batch_size, g, self.device)
-        return get_batch(self.task, self.cfg, it, index, self.model_config.start_pos, self.device)
+        batch = get_batch(self.task, self.cfg, it, index, self.model_config.start_pos, self.device)
+        return batch if self.step_weight is None else (*batch, self.step_weight)
 
     def _loss(self, batch: tuple) -> torch.Tensor:
         """Scalar loss of one micro-batch through ``self.net`` (compiled / DDP-wrapped)."""

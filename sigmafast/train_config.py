@@ -18,6 +18,7 @@ from typing import Optional
 
 from .diffusion.model import OBJECTIVES, DiffusionConfig
 from .diffusion.noise import NOISES
+from .loss import LOSS_WEIGHTINGS
 from .model import EMBEDDING_INITS, POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
 from .tasks import TASK_NAMES
@@ -61,7 +62,7 @@ TASK_RECIPES: dict[str, dict] = {
     # random order, small, 3000 steps: random-order loss 0.93 with rope-v against 1.18 with sinusoidal
     "vertical_rate": dict(pos_encoding="rope-v"),
 }
-TASK_LEVEL_FIELDS = ("pos_encoding", "order", "curriculum_start")
+TASK_LEVEL_FIELDS = ("pos_encoding", "order", "curriculum_start", "loss_weighting")
 
 ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding", "embedding_init")
 
@@ -120,6 +121,10 @@ class TrainConfig:
         None, "training order of objective sigma (default: the task recipe's, else random)", ORDER_NAMES)
     curriculum_start: Optional[float] = _field(
         None, "curriculum: left-to-right fraction at step 0, falling linearly to 0 (default: 0.5)")
+    loss_weighting: Optional[str] = _field(
+        None, "objective sigma: weight of each step's cross-entropy, uniform or visited (proportional to the "
+        "tokens visited before it, mean 1); every conditional keeps its optimum (default: the task recipe's, "
+        "else uniform)", LOSS_WEIGHTINGS)
     eval_interval: Optional[int] = _field(None, "steps between evaluations" + _PRESET)
     eval_iters: Optional[int] = _field(None, "validation batches per evaluation" + _PRESET)
     log_interval: int = _field(10, "steps between log lines")
@@ -145,6 +150,11 @@ class TrainConfig:
         if self.objective == "diffusion" and self.order not in (None, "random"):
             raise ValueError(f"TrainConfig.order ({self.order!r}) applies to objective 'sigma' only; "
                              "a diffusion model has no generation order")
+        if self.loss_weighting is not None:
+            _check_choice("loss_weighting", self.loss_weighting, LOSS_WEIGHTINGS)
+            if self.objective == "diffusion" and self.loss_weighting != "uniform":
+                raise ValueError(f"TrainConfig.loss_weighting ({self.loss_weighting!r}) applies to objective "
+                                 "'sigma' only")
         _check_choice("dtype", self.dtype, DTYPES)
         if self.pos_encoding is not None:
             _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
@@ -259,7 +269,7 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
     must divide ``grad_accum``.
     """
     preset = {**TRAIN_PRESETS[cfg.preset], "order": "random", "curriculum_start": 0.5, "embedding_lr_scale": 1.0,
-              "final_norm_lr_scale": 1.0, **cfg.recipe()}
+              "final_norm_lr_scale": 1.0, "loss_weighting": "uniform", **cfg.recipe()}
     values = {k: (preset[k] if getattr(cfg, k) is None and k in preset and k != "min_lr" else getattr(cfg, k))
               for k in (f.name for f in dataclasses.fields(cfg))}
     if cfg.grad_accum is None:  # at least one micro-step per rank
@@ -267,6 +277,8 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
         values["grad_accum"] = -(-accum // world_size) * world_size
     if values["min_lr"] is None:  # the preset's, unless lr is overridden: then lr / 10
         values["min_lr"] = preset.get("min_lr", values["lr"] / 10) if cfg.lr is None else values["lr"] / 10
+    if cfg.objective == "diffusion" and cfg.loss_weighting is None:  # a σ-GPT recipe's step weights
+        values["loss_weighting"] = "uniform"
     if values["lr_decay_iters"] is None:
         values["lr_decay_iters"] = values["max_iters"]
     resolved = TrainConfig(**values)

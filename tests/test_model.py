@@ -290,3 +290,24 @@ def test_weight_tying():
     assert model.lm_head.weight.grad is not None
     n_all = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert model.num_params() == n_all - model.wte.weight.numel()  # the tied matrix counted once
+
+
+def test_loss_weight_scales_each_target():
+    """``loss(..., weight)`` is sum w_n CE_n / N_valid; ones give the plain loss; bad weights are refused."""
+    model = SigmaGPT(SigmaGPTConfig(vocab_size=11, block_size=9, n_layer=1, n_head=2, n_embd=16))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 11, (3, 8), generator=g)
+    tok, inp, outp, tgt = orders.shuffle(x, orders.random(3, 8, generator=g), model.config.bos_token_id,
+                                         model.config.start_pos)
+    tgt[0, 2] = -1
+    w = torch.rand(8, generator=g) + 0.5
+    logits = model(tok, inp, outp)[0]
+    ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-1, reduction="none").view(3, 8)
+    want = (ce * w).sum() / (tgt != -1).sum()
+    torch.testing.assert_close(model.loss(tok, inp, outp, tgt, w), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.loss(tok, inp, outp, tgt, torch.ones(3, 8)), model.loss(tok, inp, outp, tgt))
+    with pytest.raises(TypeError, match="weight must be a float"):
+        model.loss(tok, inp, outp, tgt, torch.ones(8, dtype=torch.long))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        model.loss(tok, inp, outp, tgt, torch.ones(5))
+

@@ -10,6 +10,7 @@ import torch
 
 import sigmafast.train as train_mod
 from sigmafast.checkpoint import read_checkpoint
+from sigmafast.loss import step_weights
 from sigmafast.model import SigmaGPT
 from sigmafast.signals import StopRequest
 from sigmafast.tasks import get_task
@@ -216,6 +217,34 @@ def test_zero_embedding_lr_scale_freezes_the_embedding(tmp_path):
     assert not torch.equal(trained.ln_f.weight, initial.ln_f.weight)
 
 
+def test_step_weights():
+    assert step_weights("uniform", 5) is None
+    torch.testing.assert_close(step_weights("visited", 4), torch.tensor([0.25, 0.75, 1.25, 1.75]))
+    assert step_weights("visited", 1).tolist() == [1.0]
+    with pytest.raises(ValueError, match="loss weighting must be one of"):
+        step_weights("late", 4)
+
+
+def test_visited_loss_weighting_weights_each_step(tmp_path, monkeypatch):
+    """The trainer hands the model the (T,) step weights with every batch, and they change the update."""
+    seen = []
+    real_loss = SigmaGPT.loss
+
+    def spy(self, *batch):
+        if self.training:  # the training steps, not the (unweighted) validation losses
+            seen.append(batch[4] if len(batch) > 4 else None)
+        return real_loss(self, *batch)
+
+    monkeypatch.setattr(SigmaGPT, "loss", spy)
+    weighted = train(small_cfg(tmp_path / "w", loss_weighting="visited", max_iters=2, seed=3)).model
+    assert len(seen) == 2 and all(torch.equal(w, step_weights("visited", 12)) for w in seen)
+    seen.clear()
+    plain = train(small_cfg(tmp_path / "u", max_iters=2, seed=3)).model
+    assert seen == [None, None]
+    assert not torch.equal(weighted.wte.weight, plain.wte.weight)
+    assert resolve(small_cfg(tmp_path), 12).loss_weighting == "uniform"
+
+
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium"])
 def test_paper_recipe(preset):
     cfg = resolve(TrainConfig(task="owt", preset=preset), seq_len=1024, world_size=8)
@@ -260,10 +289,12 @@ def test_grad_accum_must_split_across_ranks():
         (dict(embedding_init="xavier"), ValueError, "TrainConfig.embedding_init"),
         (dict(embedding_lr_scale=-1.0), ValueError, "TrainConfig.embedding_lr_scale must be >= 0"),
         (dict(final_norm_lr_scale="2"), TypeError, "TrainConfig.final_norm_lr_scale must be"),
+        (dict(loss_weighting="late"), ValueError, "TrainConfig.loss_weighting"),
+        (dict(loss_weighting="visited", objective="diffusion"), ValueError, "applies to objective 'sigma' only"),
     ],
     ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",
          "curriculum", "min_lr", "dtype", "device", "cuda-index", "pos-encoding", "seq-len", "embedding-init",
-         "embedding-lr-scale", "norm-lr-scale-type"],
+         "embedding-lr-scale", "norm-lr-scale-type", "loss-weighting", "loss-weighting-diffusion"],
 )
 def test_config_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
