@@ -347,7 +347,8 @@ class _Trainer:
         cfg = self.cfg
         tokens_per_s = self.tokens_per_step * window_steps / max(window_time, 1e-9)
         entry = {"iter": it, "loss": loss_value, "lr": learning_rate(it, cfg), "tokens_per_s": tokens_per_s}
-        parts = [f"iter {it}/{cfg.max_iters}", f"loss {loss_value:.4f}", f"lr {entry['lr']:.2e}",
+        weighted = " (step-weighted)" if cfg.loss_weighting != "uniform" else ""
+        parts = [f"iter {it}/{cfg.max_iters}", f"loss {loss_value:.4f}{weighted}", f"lr {entry['lr']:.2e}",
                  f"{tokens_per_s:,.0f} tok/s"]
         if cfg.order == "curriculum":
             entry["l2r_fraction"] = curriculum_l2r(it, cfg)

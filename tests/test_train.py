@@ -239,10 +239,12 @@ def test_visited_loss_weighting_weights_each_step(tmp_path, monkeypatch):
     weighted = train(small_cfg(tmp_path / "w", loss_weighting="visited", max_iters=2, seed=3)).model
     assert len(seen) == 2 and all(torch.equal(w, step_weights("visited", 12)) for w in seen)
     seen.clear()
-    plain = train(small_cfg(tmp_path / "u", max_iters=2, seed=3)).model
+    plain = train(small_cfg(tmp_path / "u", loss_weighting="uniform", max_iters=2, seed=3)).model
     assert seen == [None, None]
     assert not torch.equal(weighted.wte.weight, plain.wte.weight)
-    assert resolve(small_cfg(tmp_path), 12).loss_weighting == "uniform"
+    assert resolve(TrainConfig(task="step"), 12).loss_weighting == "uniform"  # no recipe weighting
+    assert resolve(small_cfg(tmp_path), 12).loss_weighting == "visited"  # the permutation recipe's
+    assert resolve(small_cfg(tmp_path, objective="diffusion"), 12).loss_weighting == "uniform"
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium"])
