@@ -10,6 +10,7 @@ the same ``grad_accum``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -203,6 +204,10 @@ class _Trainer:
             ckpt = read_checkpoint(self.path)
             check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective,
                              cfg.diffusion_config())
+            stored = ckpt["train_config"].get("loss_weighting") or "uniform"  # older checkpoints: uniform
+            if user_cfg.loss_weighting is None and stored != cfg.loss_weighting:  # the run's own, not a newer recipe's
+                self._info("resuming with the checkpoint's loss weighting %r", stored)
+                self.cfg = cfg = dataclasses.replace(cfg, loss_weighting=stored)
 
         use_bf16 = cfg.dtype == "bfloat16" or (
             cfg.dtype == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()

@@ -247,6 +247,19 @@ def test_visited_loss_weighting_weights_each_step(tmp_path, monkeypatch):
     assert resolve(small_cfg(tmp_path, objective="diffusion"), 12).loss_weighting == "uniform"
 
 
+def test_resume_keeps_the_checkpoint_loss_weighting(tmp_path):
+    """A run resumed without --loss-weighting continues with its own weighting, not the recipe's."""
+    first = train(small_cfg(tmp_path, loss_weighting="uniform", max_iters=2))
+    assert read_checkpoint(first.checkpoint_path)["train_config"]["loss_weighting"] == "uniform"
+    ckpt = read_checkpoint(first.checkpoint_path)
+    del ckpt["train_config"]["loss_weighting"]  # a checkpoint from before the option
+    torch.save(ckpt, first.checkpoint_path)
+    train(small_cfg(tmp_path, max_iters=3, resume=True))
+    assert read_checkpoint(first.checkpoint_path)["train_config"]["loss_weighting"] == "uniform"
+    train(small_cfg(tmp_path, max_iters=4, resume=True, loss_weighting="visited"))  # an explicit flag wins
+    assert read_checkpoint(first.checkpoint_path)["train_config"]["loss_weighting"] == "visited"
+
+
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium"])
 def test_paper_recipe(preset):
     cfg = resolve(TrainConfig(task="owt", preset=preset), seq_len=1024, world_size=8)
