@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .reference import RULES, Acceptance, decide
 from .utils import check_block_v, check_float, kth_largest, online_lse, row_stride, rows_ready, vocab_config
-from .vocab import aligned_rows, chunk_stats, row_masses, row_window, split_config
+from .vocab import aligned_rows, chunk_stats, row_masses, row_window, split_config, window_load, window_masks
 
 
 SCORINGS = ("matmul", "fused")
@@ -63,9 +63,7 @@ def _draft_argmax_kernel(
     b_arg = tl.zeros([BLOCK_N], tl.int32)
     for start in range(0, V + ALIGN - 1, BLOCK_V):
         o_b = start + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-        o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
-        m_w = m_n[:, None] & (o_b < end[:, None])
-        m_v = m_w & (o_v >= 0) & (o_v < V)
+        o_v, m_w, m_v = window_masks(o_b, shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
         b_x = tl.load(p_x + o_b, mask=m_w, other=float("-inf")).to(tl.float32)
         b_x = tl.where(m_v, b_x, float("-inf"))
         c_max = tl.max(b_x, 1)
@@ -88,11 +86,10 @@ def _logq_finish_kernel(
     r_m, _, r_t = row_masses(M, S, o_n64, m_n, NC, NC_PAD)  # (BLOCK_N,) row max and sum exp(x - max)
     d = tl.load(DRAFT + o_n64, mask=m_n, other=0).to(tl.int64)
     m_d = m_n & (d >= 0) & (d < V)  # a draft outside the vocabulary has log q = -inf
-    b_xd = tl.load(X + o_n64 * (s_x * STRIDE_UNIT) + d, mask=m_d, other=float("-inf")).to(tl.float32)
+    kth = tl.zeros([BLOCK_N], tl.float32)
     if HAS_TOPK:
         kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)
-        b_xd = tl.where(b_xd < kth, float("-inf"), b_xd)
-    b_xd = tl.math.div_rn(b_xd, temperature)
+    b_xd = window_load(X + o_n64 * (s_x * STRIDE_UNIT), d, m_d, m_d, kth, temperature, HAS_TOPK)  # as chunk_stats
     tl.store(LOGQ + o_n64, b_xd - r_m - tl.log(r_t), mask=m_n)
 
 

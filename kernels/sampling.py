@@ -51,8 +51,8 @@ import triton.language as tl
 
 from .utils import check_block_v, check_float, kth_largest, row_stride
 from .vocab import (
-    _residual_mass_kernel, aligned_rows, chunk_stats, residual_lse, residual_probs, row_masses, row_window, split_config,
-    window_load,
+    _residual_mass_kernel, aligned_rows, chunk_stats, residual_lse, residual_probs, row_masses, row_window,
+    split_config, window_load, window_masks,
 )
 
 
@@ -96,9 +96,7 @@ def _sample_rows(
 
     o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each
     o_b = c_tok[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (BLOCK_N, BLOCK_V) window offsets
-    o_v = o_b - shift[:, None]  # columns
-    m_w = m_n[:, None] & (o_b < end[:, None])
-    m_v = m_w & (o_v >= 0) & (o_v < V)
+    o_v, m_w, m_v = window_masks(o_b, shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
     if RESIDUAL:
         b_q, b_p = residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK)
         b_w = tl.where(empty[:, None], b_q, tl.maximum(b_q - b_p, 0.0))

@@ -12,8 +12,9 @@ few fp32/int32 per (row, chunk) (``NC = cdiv(V, BLOCK_V)`` chunks per row,
 25 for GPT-2): a few hundred bytes per row against the 100 KB read.
 
 * :func:`chunk_stats` (``_chunk_stats_kernel``): per (row, chunk) the max of the
-  processed logits (temperature, top-k threshold) and the sum of ``exp(x - max)``. ``row_masses`` combines them into the row
-  max, the row total ``sum exp(x - row max)`` and each chunk's share of it
+  processed logits (temperature, top-k threshold) and the sum of ``exp(x - max)``.
+  ``row_masses`` combines them into the row max, the row total
+  ``sum exp(x - row max)`` and each chunk's share of it
   (``s_c * exp(m_c - row max)``), exactly like an online log-sum-exp.
 * ``_residual_mass_kernel``: the second split-V pass of the residual sampler,
   per (row, chunk) the masses of ``max(0, q - p)`` and of q (normalised by the
@@ -80,6 +81,15 @@ def row_window(o_n64, s_x, V, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def window_masks(o_b, shift, end, m_n, V):
+    """Window offsets o_b (1, BLOCK_V) of the rows of ``row_window`` -> (BLOCK_N, BLOCK_V) columns o_v, the
+    vector-granular load mask m_w (inside the row's aligned window) and the column mask m_v (inside the row)."""
+    o_v = o_b - shift[:, None]
+    m_w = m_n[:, None] & (o_b < end[:, None])
+    return o_v, m_w, m_w & (o_v >= 0) & (o_v < V)
+
+
+@triton.jit
 def window_load(ptr, o_b, m_w, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
     """Logits at window offsets o_b as fp32 (vector-granular load mask m_w, column mask m_v after), -inf
     where masked or below the top-k threshold, over the temperature."""
@@ -114,9 +124,7 @@ def _chunk_stats_kernel(
     c = tl.program_id(1)
     o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each; STRIDE_UNIT: utils
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
-    m_w = m_n[:, None] & (o_b < end[:, None])
-    m_v = m_w & (o_v >= 0) & (o_v < V)
+    o_v, m_w, m_v = window_masks(o_b, shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
     kth = tl.zeros([BLOCK_N, 1], tl.float32)
     if HAS_TOPK:
         kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
@@ -166,9 +174,7 @@ def _residual_mass_kernel(
         kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
     o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    o_v = o_b - shift[:, None]  # (BLOCK_N, BLOCK_V) columns
-    m_w = m_n[:, None] & (o_b < end[:, None])
-    m_v = m_w & (o_v >= 0) & (o_v < V)
+    o_v, m_w, m_v = window_masks(o_b, shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
     b_q, b_p = residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK)
     o_p = o_n64 * NC + c
     tl.store(RM + o_p, tl.sum(tl.maximum(b_q - b_p, 0.0), 1), mask=m_n)
