@@ -10,6 +10,7 @@ copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=
   cache and the R own keys concatenated with a mask (a copy per call).
 * verify: O=5 orders of R=64 tokens over a shared L=4096 prefix; SDPA gets the
   prefix repeated per order (the traffic the Triton kernel avoids).
+* top-k threshold: the k-th largest of 8 or 1280 rows (radix select against ``torch.topk``).
 * acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary; the bytes counted are
   one read of each logit tensor (q, and p for the residual), the least any implementation must move;
   acceptance_from_hidden: the same from (B, O, R, 768) hidden states and the LM head.
@@ -176,6 +177,20 @@ def test_acceptance(benchmark, impl, top_k, copy_gbps):
     assert err < 5e-2, f"{impl} log q is off before timing: {err:.2e}"
     _run(benchmark, lambda: fn(*args), logits.numel() * logits.element_size(), copy_gbps, impl=impl,
          op="acceptance", rows=B * O * R, V=VOCAB, top_k=top_k, logq_abs_err=err)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("rows", [8, 1280], ids=lambda n: f"rows{n}")
+def test_topk_threshold(benchmark, impl, rows, copy_gbps):
+    """The k-th largest logit per row (k = 50): radix select (kernels/topk.py, 2 passes over bf16) against
+    ``torch.topk``; the bytes counted are one read of the logits."""
+    from sigmafast.kernels.topk import kth_largest
+
+    logits = _logits(rows, 7)
+    fn = {"triton": lambda: kth_largest(logits, 50), "reference": lambda: ref.kth_largest(logits, 50)}[impl]
+    assert torch.equal(fn().float(), ref.kth_largest(logits, 50).float()), f"{impl} threshold differs from topk"
+    _run(benchmark, fn, logits.numel() * logits.element_size(), copy_gbps, impl=impl, op="topk_threshold",
+         rows=rows, V=VOCAB, top_k=50)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])

@@ -72,9 +72,13 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: Optional[int
     """Temperature and top-k applied to (..., V) logits (temperature > 0)."""
     out = logits / temperature
     if top_k is not None and top_k < out.shape[-1]:
-        kth = out.topk(top_k, dim=-1).values[..., -1:]
-        out = out.masked_fill(out < kth, float("-inf"))
+        out = out.masked_fill(out < kth_largest(out, top_k)[..., None], float("-inf"))
     return out
+
+
+def kth_largest(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(...,) k-th largest value of each (..., V) row, the top-k threshold (values equal to it are kept)."""
+    return logits.topk(top_k, dim=-1).values[..., -1]
 
 
 def log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:

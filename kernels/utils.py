@@ -56,13 +56,6 @@ def check_int(name: str, t: torch.Tensor, shape: tuple, device: torch.device) ->
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def kth_largest(logits: torch.Tensor, top_k: Optional[int]) -> Optional[torch.Tensor]:
-    """(N,) float32 k-th largest logit per row of (N, V) logits, None when top-k keeps all."""
-    if top_k is None or top_k >= logits.shape[-1]:
-        return None
-    return logits.topk(top_k, dim=-1).values[..., -1].float().contiguous()  # (N,)
-
-
 def check_block_v(block_v: Optional[int]) -> None:
     if block_v is not None and (isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1
                                 or block_v & (block_v - 1)):

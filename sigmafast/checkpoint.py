@@ -113,7 +113,8 @@ def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path,
     was = stored_objective(ckpt)
     if was != (objective, diffusion):
         diffs.append(f"objective: checkpoint {was[0]!r} {was[1]}, now {objective!r} {diffusion}")
-    stored, now = ckpt["model_config"], model_config.to_dict()
+    # fields added since the checkpoint was written read as their defaults (the model it was built with)
+    stored, now = SigmaGPTConfig.from_dict(ckpt["model_config"]).to_dict(), model_config.to_dict()
     for k in sorted(set(stored) | set(now)):
         if stored.get(k) != now.get(k):
             diffs.append(f"{k}: checkpoint {stored.get(k)!r}, now {now.get(k)!r}")

@@ -27,8 +27,8 @@ GIB = 2**30
 LOSS_CHUNK_ELEMENTS = 2**25
 FP32_BYTES = 4
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight, gradient, exp_avg and exp_avg_sq
-ACTIVATIONS_PER_LAYER = 16  # saved (token, channel) elements per layer, see training_peak_bytes
-ACTIVATIONS_OUTSIDE = 4  # embeddings (token + double position), final LayerNorm in and out
+ACTIVATIONS_ATTENTION = 6  # saved (token, channel) elements per layer's attention, see training_peak_bytes
+ACTIVATIONS_OUTSIDE = 2  # final LayerNorm in and out (the embeddings' sum is the first block's input)
 LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32
 SAMPLING_CHECK_FLOOR = 256 * 2**20  # smaller burst iterations skip reading the free memory
 TRAINING_FLAGS = ("--batch-size (raise --grad-accum to keep the tokens per step), --seq-len, or the model "
@@ -38,14 +38,17 @@ TRAINING_FLAGS = ("--batch-size (raise --grad-accum to keep the tokens per step)
 def model_state_elements(config: SigmaGPTConfig) -> int:
     """Parameters plus buffers of ``SigmaGPT(config)``, counted without building it.
 
-    Per block 12 C^2 weights (q/k/v 3, projection 1, MLP 4 + 4) and 13 C biases and
-    LayerNorm parameters (2 C without biases); the token embedding is tied to the LM
-    head (V C); positions are two learned (T + 1, C / 2) tables or one sinusoidal buffer.
+    Per block (4 + 2 r) C^2 weights (q/k/v 3, projection 1, MLP r + r for ``mlp_ratio`` r)
+    and (9 + r) C biases and LayerNorm parameters (2 C without biases); an attention-only
+    block (r = 0) has no MLP and no second LayerNorm (6 C, or C). The token embedding is
+    tied to the LM head (V C); positions are two learned (T + 1, C / 2) tables or one
+    sinusoidal buffer; the final LayerNorm has 2 C parameters (C without biases, 1 scalar).
     """
-    C, n_pos = config.n_embd, config.block_size + 1
-    per_layer = 12 * C * C + (13 * C if config.bias else 2 * C)
+    C, n_pos, r = config.n_embd, config.block_size + 1, config.mlp_ratio
+    norms = 1 + (r > 0)
+    per_layer = (4 + 2 * r) * C * C + ((4 + r + (r > 0) + 2 * norms) * C if config.bias else norms * C)
     positions = n_pos * C if config.pos_encoding == "learned" else n_pos * (C // 2)
-    final_norm = 2 * C if config.bias else C
+    final_norm = 1 if config.final_norm == "scalar" else 2 * C if config.bias else C
     return config.vocab_size * C + positions + config.n_layer * per_layer + final_norm
 
 
@@ -62,20 +65,22 @@ def training_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, a
     and ``activation_bytes`` s per activation (4 in fp32, 2 under bf16 autocast)::
 
         16 P                                    fp32 weights, gradients, AdamW's two moments
-      + s B T C (16 L + 4)                      activations saved for the backward
+      + s B T C ((8 + 2 r) L + 2)               activations saved for the backward
       + 4 * 3 min(B T, rows) V                  chunked loss: logits, softmax, gradient (fp32)
 
     Per layer and (token, channel), nanoGPT-style (Korthikanti et al. 2022, table 2,
     without dropout masks): the attention block saves its LayerNorm input, the q/k/v
     projection input, q, k, v and the attention output (about 5 + the LayerNorm's 1);
-    the MLP saves its input, the 4C GELU input and the 4C GELU output (9); the second
-    LayerNorm 1: 16 in all. Attention is fused (scaled_dot_product_attention), so no
+    the MLP saves its input, the r C GELU input and the r C GELU output (1 + 2 r, for
+    ``mlp_ratio`` r), the second LayerNorm 1: 16 in all at r = 4, 6 for an attention-only
+    block (r = 0). Attention is fused (scaled_dot_product_attention), so no
     T x T matrix is stored. ``rows = max(1, 2**25 // V)``: the loss never holds more
     than 2**25 logits at a time.
     """
     B, T = batch_size, seq_len
     states = ADAMW_BYTES_PER_PARAM * model_state_elements(config)
-    per_token = config.n_embd * (ACTIVATIONS_PER_LAYER * config.n_layer + ACTIVATIONS_OUTSIDE)
+    per_layer = ACTIVATIONS_ATTENTION + (2 + 2 * config.mlp_ratio if config.mlp_ratio else 0)
+    per_token = config.n_embd * (per_layer * config.n_layer + ACTIVATIONS_OUTSIDE)
     activations = activation_bytes * B * T * per_token
     loss = FP32_BYTES * LOSS_COPIES * min(B * T, loss_chunk_rows(config.vocab_size)) * config.vocab_size
     return states + activations + loss

@@ -51,6 +51,7 @@ POS_ENCODINGS = (
     "rope-v", "rope-v+sinusoidal", "rope-v+learned",
 )
 EMBEDDING_INITS = ("normal", "orthogonal")
+FINAL_NORMS = ("layernorm", "scalar")
 ROPE_BASE = 10000.0
 PE_SCALE = 0.02 * math.sqrt(2.0)  # channel RMS 0.02, as the token embeddings at init
 
@@ -74,12 +75,16 @@ class SigmaGPTConfig:
     pos_encoding: str = "sinusoidal"
     bos_token_id: Optional[int] = None
     embedding_init: str = "normal"  # "orthogonal": orthonormal token rows, at the normal init's norm
+    mlp_ratio: int = 4  # MLP hidden width / n_embd; 0: attention-only blocks (no MLP, no second LayerNorm)
+    final_norm: str = "layernorm"  # "scalar": the final LayerNorm has one learned gain, no per-channel affine
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SigmaGPTConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.mlp_ratio, int) or isinstance(self.mlp_ratio, bool) or self.mlp_ratio < 0:
+            raise ValueError(f"SigmaGPTConfig.mlp_ratio must be an int >= 0, got {self.mlp_ratio!r}")
         if self.vocab_size < 2:
             raise ValueError(f"SigmaGPTConfig.vocab_size must be >= 2 (one id is BOS), got {self.vocab_size}")
         if self.n_embd % (2 * self.n_head) != 0:
@@ -97,6 +102,8 @@ class SigmaGPTConfig:
             raise ValueError(
                 f"SigmaGPTConfig.embedding_init must be one of {EMBEDDING_INITS}, got {self.embedding_init!r}"
             )
+        if self.final_norm not in FINAL_NORMS:
+            raise ValueError(f"SigmaGPTConfig.final_norm must be one of {FINAL_NORMS}, got {self.final_norm!r}")
         if self.bos_token_id is None:
             self.bos_token_id = self.vocab_size - 1
         if not isinstance(self.bos_token_id, int) or not 0 <= self.bos_token_id < self.vocab_size:
@@ -245,8 +252,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: SigmaGPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,12 +265,35 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.has_mlp = config.mlp_ratio > 0
+        if self.has_mlp:
+            self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.mlp = MLP(config)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the MLP (unchanged in an attention-only block)."""
+        return x + self.mlp(self.ln_2(x)) if self.has_mlp else x
 
     def forward(self, x: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rotary)
-        return x + self.mlp(self.ln_2(x))
+        return self.feed_forward(x + self.attn(self.ln_1(x), rotary))
+
+
+class ScalarGainNorm(nn.Module):
+    """LayerNorm without per-channel parameters, times one learned gain (``final_norm="scalar"``).
+
+    With the tied LM head, a per-channel gain g makes logit_v = sum_c g_c h_c e_vc, so a hidden
+    state built from some token embeddings leaks onto the others even when the rows are
+    orthogonal (sum_c e_sc e_vc = 0 but sum_c g_c e_sc e_vc != 0), and a bias adds b . e_v to
+    every logit. One scalar keeps only the logits' scale (benchmarks/RESULTS.md, permutation).
+    """
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.n_embd = n_embd
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.n_embd,)) * self.weight
 
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -289,7 +319,8 @@ class SigmaGPT(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = (ScalarGainNorm(config.n_embd) if config.final_norm == "scalar"
+                     else nn.LayerNorm(config.n_embd, bias=config.bias))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight  # weight tying
 
@@ -359,7 +390,7 @@ class SigmaGPT(nn.Module):
         for i, block in enumerate(self.h):
             q, k, v = block.attn.qkv(block.ln_1(x), rotary)
             x = x + block.attn.project(attend(i, q, k, v), rotary)
-            x = x + block.mlp(block.ln_2(x))
+            x = block.feed_forward(x)
         return self.ln_f(x)
 
     def check_inputs(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> None:

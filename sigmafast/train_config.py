@@ -19,7 +19,7 @@ from typing import Optional
 from .diffusion.model import OBJECTIVES, DiffusionConfig
 from .diffusion.noise import NOISES
 from .loss import LOSS_WEIGHTINGS
-from .model import EMBEDDING_INITS, POS_ENCODINGS, PRESETS
+from .model import EMBEDDING_INITS, FINAL_NORMS, POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
 from .tasks import TASK_NAMES
 
@@ -51,12 +51,13 @@ PAPER_TASKS = ("owt", "wikitext103")
 TASK_RECIPES: dict[str, dict] = {
     # rope-v: 97.4% valid AR samples after the default 2000 steps (rope 84.5%, sinusoidal 26.2%)
     "step": dict(pos_encoding="rope-v"),
-    # one layer of width 256; orthogonal token embeddings, learnt 30x slower, a final LayerNorm (the
-    # logits' scale) learnt 30x faster, and step k's loss weighted by k + 1/2: 46.5% valid AR samples in
-    # 27 min (uniform weights: 25.9%); see benchmarks/RESULTS.md, "Recipes"
+    # one attention-only layer of width 256, no biases, a final LayerNorm with one scalar gain learnt 30x
+    # faster (the logits' scale), orthogonal token embeddings learnt 30x slower, and step k's loss
+    # weighted by k + 1/2; see benchmarks/RESULTS.md, "Recipes"
     "permutation": dict(pos_encoding="rope", loss_weighting="visited", preset="tiny", n_layer=1, n_embd=256,
-                        n_head=2, lr=3e-3, weight_decay=0.0, batch_size=16, embedding_init="orthogonal",
-                        embedding_lr_scale=0.03, final_norm_lr_scale=30.0, eval_interval=500, max_iters=13000),
+                        n_head=2, mlp_ratio=0, bias=False, final_norm="scalar", lr=3e-3, min_lr=3e-5,
+                        weight_decay=0.0, batch_size=16, embedding_init="orthogonal", embedding_lr_scale=0.03,
+                        final_norm_lr_scale=30.0, warmup_iters=200, eval_interval=500, max_iters=24000),
     # rope-v + curriculum, small, T=256, 1500 steps: random-order 2.00 (rope 2.07, sinusoidal 3.30),
     # l2r 1.69 (rope 1.73; the GPT 1.645)
     "char": dict(pos_encoding="rope-v", order="curriculum"),
@@ -65,7 +66,8 @@ TASK_RECIPES: dict[str, dict] = {
 }
 TASK_LEVEL_FIELDS = ("pos_encoding", "order", "curriculum_start", "loss_weighting")
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "dropout", "bias", "pos_encoding", "embedding_init")
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "mlp_ratio", "dropout", "bias", "pos_encoding", "embedding_init",
+               "final_norm")
 
 
 def _field(default, help_text: str, choices: Optional[tuple] = None):
@@ -87,11 +89,15 @@ class TrainConfig:
     n_layer: Optional[int] = _field(None, "layers" + _PRESET)
     n_head: Optional[int] = _field(None, "attention heads" + _PRESET)
     n_embd: Optional[int] = _field(None, "model width" + _PRESET)
+    mlp_ratio: Optional[int] = _field(None, "MLP hidden width / model width, 0 for attention-only blocks (default: 4)")
     block_size: Optional[int] = _field(None, "context length (default: the task's seq_len)")
     dropout: Optional[float] = _field(None, "dropout (default: 0)")
     bias: Optional[bool] = _field(None, "biases in Linear/LayerNorm (default: on)")
     pos_encoding: Optional[str] = _field(None, "positional encoding (default: sinusoidal)", POS_ENCODINGS)
     embedding_init: Optional[str] = _field(None, "token embedding init (default: normal)", EMBEDDING_INITS)
+    final_norm: Optional[str] = _field(
+        None, "final LayerNorm: per-channel gain and bias, or one scalar gain (default: layernorm)", FINAL_NORMS
+    )
     seq_len: Optional[int] = _field(None, "sequence length of the 1-D and text tasks (default: the task's)")
     text: Optional[str] = _field(None, "UTF-8 text file, required by --task char (default: none)")
     data_dir: Optional[str] = _field(None, "train.bin / val.bin folder for owt, wikitext103 (default: data/<task>)")
@@ -161,12 +167,14 @@ class TrainConfig:
             _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
         if self.embedding_init is not None:
             _check_choice("embedding_init", self.embedding_init, EMBEDDING_INITS)
+        if self.final_norm is not None:
+            _check_choice("final_norm", self.final_norm, FINAL_NORMS)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"TrainConfig.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "max_iters", "batch_size",
                      "grad_accum", "lr_decay_iters", "eval_interval", "eval_iters", "log_interval"):
             _check_range(name, getattr(self, name), low=1)
-        for name in ("warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr", "embedding_lr_scale",
+        for name in ("mlp_ratio", "warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr", "embedding_lr_scale",
                      "final_norm_lr_scale"):
             _check_range(name, getattr(self, name), low=0)
         _check_range("lr", self.lr, low=0, strict=True)

@@ -32,3 +32,16 @@ def trained_dir(tmp_path_factory):
     torch.set_num_threads(1)
     train(small_cfg(out, max_iters=2))
     return out
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every ``torch.empty``/``empty_like`` of the launchers (outputs and split-V partials) comes filled
+    with NaN (floats) or a huge value (ints), so that an element the kernels forget to write shows up."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -(2**30) if t.dtype != torch.bool else True)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_like(*a, **k)))

@@ -12,17 +12,20 @@ from sigmafast.train import TrainConfig
 
 
 def tiny_model(vocab_size: int = 5, block_size: int = 8, seed: int = 0, std: float = 0.3,
-               dtype: torch.dtype = torch.float64, n_embd: int = 32, pos_encoding: str = "sinusoidal") -> SigmaGPT:
+               dtype: torch.dtype = torch.float64, n_embd: int = 32, pos_encoding: str = "sinusoidal",
+               mlp_ratio: int = 4, final_norm: str = "layernorm") -> SigmaGPT:
     """A 2-layer random model whose weights are scaled up (``std``) so that its
     conditionals are far from uniform and depend on the visited tokens and order."""
     torch.manual_seed(seed)
     config = SigmaGPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=n_embd,
-                            pos_encoding=pos_encoding)
+                            pos_encoding=pos_encoding, mlp_ratio=mlp_ratio, final_norm=final_norm)
     model = SigmaGPT(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, std)
+            elif p.numel() == 1:  # a scalar final-norm gain: scale the logits up too
+                p.fill_(3.0)
     return model.to(dtype).eval()
 
 

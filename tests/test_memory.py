@@ -15,6 +15,12 @@ CONFIGS = [
     pytest.param(dict(n_layer=2, n_head=2, n_embd=64, vocab_size=100), 8, 64, id="tiny"),
     pytest.param(dict(n_layer=4, n_head=4, n_embd=128, vocab_size=50, pos_encoding="learned"), 4, 128, id="small"),
     pytest.param(dict(n_layer=3, n_head=2, n_embd=32, vocab_size=7, bias=False), 2, 16, id="no-bias"),
+    pytest.param(dict(n_layer=2, n_head=2, n_embd=64, vocab_size=101, mlp_ratio=0), 4, 100, id="attention-only"),
+    pytest.param(dict(n_layer=2, n_head=2, n_embd=32, vocab_size=9, mlp_ratio=0, bias=False), 3, 20,
+                 id="attention-only-no-bias"),
+    pytest.param(dict(n_layer=1, n_head=2, n_embd=64, vocab_size=101, mlp_ratio=0, bias=False, final_norm="scalar",
+                      pos_encoding="rope"), 4, 100, id="permutation-recipe"),
+    pytest.param(dict(n_layer=1, n_head=4, n_embd=64, vocab_size=30, mlp_ratio=1), 2, 32, id="mlp-ratio-1"),
 ]
 
 
@@ -31,9 +37,10 @@ def test_model_state_is_counted_without_building_the_model(arch, batch, seq_len)
 
 @pytest.mark.parametrize("arch,batch,seq_len", CONFIGS)
 def test_activation_term_matches_the_bytes_autograd_saves(arch, batch, seq_len):
-    """The 4 B T C (16 L + 4) activation term against the storages saved for the backward of a real fp32
-    forward (up to the final LayerNorm; the loss is its own term). The estimate omits small tensors
-    (LayerNorm statistics, attention log-sum-exp), so it may differ by a few percent, never by 10%."""
+    """The 4 B T C ((8 + 2 r) L + 2) activation term (16 L + 2 at ``mlp_ratio`` r = 4, 6 L + 2 at r = 0)
+    against the storages saved for the backward of a real fp32 forward (up to the final LayerNorm; the
+    loss is its own term). The estimate omits small tensors (LayerNorm statistics, attention
+    log-sum-exp), so it may differ by a few percent, never by 10%."""
     cfg = _config(arch, seq_len)
     torch.manual_seed(0)
     model = SigmaGPT(cfg)
@@ -56,7 +63,8 @@ def test_activation_term_matches_the_bytes_autograd_saves(arch, batch, seq_len):
     states = 16 * model_state_elements(cfg)
     loss = 12 * min(batch * seq_len, loss_chunk_rows(cfg.vocab_size)) * cfg.vocab_size
     estimate = training_peak_bytes(cfg, batch, seq_len) - states - loss
-    assert estimate == 4 * batch * seq_len * cfg.n_embd * (16 * cfg.n_layer + 4)
+    per_layer = 8 + 2 * cfg.mlp_ratio if cfg.mlp_ratio else 6
+    assert estimate == 4 * batch * seq_len * cfg.n_embd * (per_layer * cfg.n_layer + 2)
     assert abs(sum(saved.values()) / estimate - 1) < 0.1, (sum(saved.values()), estimate)
 
 
@@ -65,7 +73,7 @@ def test_loss_term_is_capped_by_the_chunk():
     assert loss_chunk_rows(2**26) == 1
     cfg = SigmaGPTConfig(vocab_size=50257, block_size=1024, n_layer=2, n_head=2, n_embd=64)
     small, big = training_peak_bytes(cfg, 32, 1024), training_peak_bytes(cfg, 64, 1024)
-    activations = 4 * 32 * 1024 * 64 * (16 * 2 + 4)
+    activations = 4 * 32 * 1024 * 64 * (16 * 2 + 2)
     assert big - small == activations  # the loss term no longer grows with B T
     assert training_peak_bytes(cfg, 32, 1024, activation_bytes=2) == small - activations // 2
 

@@ -192,8 +192,13 @@ def test_rope_v_outputs_carry_the_offset_of_what_was_read(pos_encoding):
         (dict(pos_encoding="alibi"), "pos_encoding must be one of"),
         (dict(bos_token_id=11), "bos_token_id must be an int in"),
         (dict(embedding_init="xavier"), "embedding_init must be one of"),
+        (dict(mlp_ratio=-1), "mlp_ratio must be an int >= 0"),
+        (dict(mlp_ratio=2.0), "mlp_ratio must be an int >= 0"),
+        (dict(mlp_ratio=True), "mlp_ratio must be an int >= 0"),
+        (dict(final_norm="rmsnorm"), "final_norm must be one of"),
     ],
-    ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "pos-encoding", "bos-range", "embedding-init"],
+    ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "pos-encoding", "bos-range", "embedding-init",
+         "negative-mlp-ratio", "float-mlp-ratio", "bool-mlp-ratio", "final-norm"],
 )
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -209,6 +214,43 @@ def test_config_round_trip_and_unknown_fields():
     assert SigmaGPTConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown SigmaGPTConfig fields"):
         SigmaGPTConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
+
+
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "rope"])
+def test_attention_only_blocks_equal_blocks_with_a_zero_mlp(pos_encoding):
+    """``mlp_ratio=0`` drops each block's MLP and second LayerNorm: the same forward and loss as the
+    standard model with those weights copied and its MLP output projection zeroed."""
+    torch.manual_seed(0)
+    bare = SigmaGPT(tiny_config(pos_encoding=pos_encoding, mlp_ratio=0)).eval()
+    full = SigmaGPT(tiny_config(pos_encoding=pos_encoding)).eval()
+    assert not any(".mlp." in n or ".ln_2." in n for n, _ in bare.named_parameters())
+    missing, unexpected = full.load_state_dict(bare.state_dict(), strict=False)
+    assert not unexpected and missing and all(".mlp." in n or ".ln_2." in n for n in missing)
+    with torch.no_grad():
+        for block in full.h:
+            block.mlp.c_proj.weight.zero_()
+            block.mlp.c_proj.bias.zero_()
+    tok, inp, outp, tgt = inputs()
+    torch.testing.assert_close(bare(tok, inp, outp)[0], full(tok, inp, outp)[0], rtol=0, atol=0)
+    torch.testing.assert_close(bare.loss(tok, inp, outp, tgt), full.loss(tok, inp, outp, tgt), rtol=0, atol=0)
+    cfg = tiny_config(pos_encoding=pos_encoding, mlp_ratio=0)
+    assert bare.num_params(non_embedding=False) == full.num_params(non_embedding=False) - cfg.n_layer * (
+        8 * cfg.n_embd**2 + 7 * cfg.n_embd)
+
+
+def test_scalar_final_norm_is_one_gain_on_a_plain_layernorm():
+    torch.manual_seed(0)
+    model = SigmaGPT(tiny_config(final_norm="scalar")).eval()
+    assert [n for n, _ in model.named_parameters() if n.startswith("ln_f")] == ["ln_f.weight"]
+    assert model.ln_f.weight.shape == (1,)
+    with torch.no_grad():
+        model.ln_f.weight.fill_(2.5)
+    x = torch.randn(3, 5, model.config.n_embd)
+    torch.testing.assert_close(model.ln_f(x), 2.5 * F.layer_norm(x, (model.config.n_embd,)))
+    tok, inp, outp, tgt = inputs()
+    loss = model.loss(tok, inp, outp, tgt)
+    loss.backward()
+    assert model.ln_f.weight.grad is not None and model.ln_f.weight.grad.abs().item() > 0
 
 
 @pytest.mark.parametrize("vocab_size,n_embd", [(11, 32), (40, 16)], ids=["rows-fit", "more-rows-than-width"])

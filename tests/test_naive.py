@@ -212,3 +212,18 @@ def test_rotary_models_match_naive(pos_encoding, kind, strategy, acceptance, num
     idx, kwargs = _inputs(kind, 3)
     engine = sigmafast.Engine(rope_model, buckets=buckets)
     _assert_same(rope_model, idx, engine, strategy=strategy, acceptance=acceptance, num_orders=num_orders, **kwargs)
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal"])
+@pytest.mark.parametrize("strategy,acceptance,num_orders", [
+    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("burst", "paper", 3, id="paper-O3"),
+    pytest.param("burst", "lossless", 1, id="lossless"),
+])
+def test_attention_only_models_match_naive(pos_encoding, strategy, acceptance, num_orders):
+    """Blocks without an MLP (``mlp_ratio=0``) and a scalar final-norm gain, the permutation recipe's
+    architecture: the cached sampler still reproduces the naive one token for token."""
+    model = tiny_model(VOCAB, T, seed=6, std=0.5, pos_encoding=pos_encoding, mlp_ratio=0, final_norm="scalar")
+    idx, kwargs = _inputs("infill", 3)
+    engine = sigmafast.Engine(model, buckets=True)
+    _assert_same(model, idx, engine, strategy=strategy, acceptance=acceptance, num_orders=num_orders, **kwargs)

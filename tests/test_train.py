@@ -260,6 +260,20 @@ def test_resume_keeps_the_checkpoint_loss_weighting(tmp_path):
     assert read_checkpoint(first.checkpoint_path)["train_config"]["loss_weighting"] == "visited"
 
 
+def test_resume_reads_missing_model_fields_as_their_defaults(tmp_path):
+    """A checkpoint written before ``mlp_ratio``, ``embedding_init`` and ``final_norm`` existed resumes:
+    its model was built with their defaults."""
+    first = train(small_cfg(tmp_path, task="product", max_iters=2))  # a task without a recipe
+    ckpt = read_checkpoint(first.checkpoint_path)
+    for name in ("mlp_ratio", "embedding_init", "final_norm"):
+        del ckpt["model_config"][name]
+    torch.save(ckpt, first.checkpoint_path)
+    train(small_cfg(tmp_path, task="product", max_iters=3, resume=True))
+    assert read_checkpoint(first.checkpoint_path)["iter"] == 3
+    with pytest.raises(ValueError, match="mlp_ratio: checkpoint 4, now 0"):
+        train(small_cfg(tmp_path, task="product", max_iters=4, resume=True, mlp_ratio=0))
+
+
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium"])
 def test_paper_recipe(preset):
     cfg = resolve(TrainConfig(task="owt", preset=preset), seq_len=1024, world_size=8)
@@ -305,11 +319,15 @@ def test_grad_accum_must_split_across_ranks():
         (dict(embedding_lr_scale=-1.0), ValueError, "TrainConfig.embedding_lr_scale must be >= 0"),
         (dict(final_norm_lr_scale="2"), TypeError, "TrainConfig.final_norm_lr_scale must be"),
         (dict(loss_weighting="late"), ValueError, "TrainConfig.loss_weighting"),
+        (dict(mlp_ratio=-1), ValueError, "TrainConfig.mlp_ratio must be >= 0"),
+        (dict(mlp_ratio=0.5), TypeError, "TrainConfig.mlp_ratio must be"),
+        (dict(final_norm="rms"), ValueError, "TrainConfig.final_norm"),
         (dict(loss_weighting="visited", objective="diffusion"), ValueError, "applies to objective 'sigma' only"),
     ],
     ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",
          "curriculum", "min_lr", "dtype", "device", "cuda-index", "pos-encoding", "seq-len", "embedding-init",
-         "embedding-lr-scale", "norm-lr-scale-type", "loss-weighting", "loss-weighting-diffusion"],
+         "embedding-lr-scale", "norm-lr-scale-type", "loss-weighting", "loss-weighting-diffusion", "mlp-ratio",
+         "mlp-ratio-type", "final-norm"],
 )
 def test_config_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
