@@ -5,7 +5,7 @@ twice) by thousands of (row block, chunk) programs, plus one chunk per row:
 
 * ``_chunk_stats_kernel`` (vocab.py): per (row, chunk) the max and sum of
   ``exp(x - max)`` of the processed logits (temperature, top-k threshold from
-  ``topk.py``, radix select); residual: for q and for p;
+  ``topk.threshold``: radix select on CUDA); residual: for q and for p;
 * residual only, ``_residual_mass_kernel`` (vocab.py): per (row, chunk) the
   masses of ``max(0, q - p)`` and of q (the row log-sum-exps come from the
   partials);
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk import kth_largest
+from .topk import threshold
 from .utils import check_block_v, check_float, row_stride
 from .vocab import (
     _residual_mass_kernel, aligned_rows, chunk_stats, residual_lse, residual_probs, row_masses, row_window,
@@ -166,8 +166,8 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
         p_logits = aligned_rows(p_logits, cfg.unit)
         if row_stride(p_logits) != row_stride(q_logits):
             q_logits, p_logits = q_logits.contiguous(), p_logits.contiguous()
-    kq = kth_largest(q_logits, top_k, block_v)
-    kp = kth_largest(p_logits, top_k, block_v) if residual else None
+    kq = threshold(q_logits, top_k, block_v)
+    kp = threshold(p_logits, top_k, block_v) if residual else None
     tokens = torch.empty(N, dtype=torch.int64, device=q_logits.device)
     logp = None if residual else torch.empty(N, dtype=q_logits.dtype, device=q_logits.device)
     if N == 0:

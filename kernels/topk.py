@@ -23,6 +23,8 @@ fp16 the top 24 (3), fp32 all 32 (4).
   writes the float of the prefix (after the last pass, the k-th largest value).
 
 Every pass reads each row once, so the threshold costs 2 reads of bf16 logits.
+The launchers call ``threshold``, which takes these kernels on CUDA (not yet
+timed on a GPU: benchmarks/bench_kernels.py ``test_topk_threshold``).
 The shift and all sizes are run-time arguments (``do_not_specialize``): each
 kernel compiles once per dtype.
 """
@@ -35,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
 from .utils import row_stride
 from .vocab import aligned_rows, row_window, split_config, window_masks
 
@@ -136,3 +139,14 @@ def kth_largest(logits: torch.Tensor, top_k: Optional[int], block_v: Optional[in
         _radix_select_kernel[(triton.cdiv(N, SELECT_ROWS),)](prefix, krem, hist, out, N, shift,
                                                               BLOCK_N=SELECT_ROWS, num_warps=4)
     return out
+
+
+def threshold(logits: torch.Tensor, top_k: Optional[int], block_v: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The vocabulary launchers' (N,) float32 top-k threshold (None when top-k keeps the whole row): radix
+    select on CUDA; ``torch.topk`` in the CPU interpreter, where interpreting the radix passes over
+    thousands of rows costs minutes (the radix kernels are tested there on their own)."""
+    if top_k is None or top_k >= logits.shape[-1]:
+        return None
+    if logits.is_cuda:
+        return kth_largest(logits, top_k, block_v)
+    return reference.kth_largest(logits, top_k).float().contiguous()

@@ -53,7 +53,7 @@ TASK_RECIPES: dict[str, dict] = {
     "step": dict(pos_encoding="rope-v"),
     # one attention-only layer of width 256, no biases, a final LayerNorm with one scalar gain learnt 30x
     # faster (the logits' scale), orthogonal token embeddings learnt 30x slower, and step k's loss
-    # weighted by k + 1/2; see benchmarks/RESULTS.md, "Recipes"
+    # weighted by k + 1/2: 95.6% valid AR samples in 25 min; see benchmarks/RESULTS.md, "Recipes"
     "permutation": dict(pos_encoding="rope", loss_weighting="visited", preset="tiny", n_layer=1, n_embd=256,
                         n_head=2, mlp_ratio=0, bias=False, final_norm="scalar", lr=3e-3, min_lr=3e-5,
                         weight_decay=0.0, batch_size=16, embedding_init="orthogonal", embedding_lr_scale=0.03,
@@ -174,8 +174,8 @@ class TrainConfig:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "max_iters", "batch_size",
                      "grad_accum", "lr_decay_iters", "eval_interval", "eval_iters", "log_interval"):
             _check_range(name, getattr(self, name), low=1)
-        for name in ("mlp_ratio", "warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr", "embedding_lr_scale",
-                     "final_norm_lr_scale"):
+        for name in ("mlp_ratio", "warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr",
+                     "embedding_lr_scale", "final_norm_lr_scale"):
             _check_range(name, getattr(self, name), low=0)
         _check_range("lr", self.lr, low=0, strict=True)
         for name in ("beta1", "beta2", "dropout"):

@@ -79,3 +79,12 @@ def test_kth_largest_keeps_everything_and_empty_batch():
     assert kth_largest(x, None) is None
     assert kth_largest(x, 10) is None
     assert kth_largest(x[:0], 4).shape == (0,)
+
+
+def test_launchers_threshold_is_the_kth_largest(poisoned_empty):
+    """``topk.threshold`` (radix select on CUDA, torch.topk in the interpreter) gives the same float32
+    values, and None when top-k keeps every column."""
+    threshold = on_triton_device(topk.threshold)
+    x = _rows("ties", 20, 300, torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    torch.testing.assert_close(threshold(x, 30, 64), ref.kth_largest(x, 30).float(), rtol=0, atol=0)
+    assert threshold(x, None) is None and threshold(x, 300) is None
