@@ -114,13 +114,11 @@ def _radix_select_kernel(PREFIX, KREM, HIST, OUT, N, shift, BLOCK_N: tl.constexp
     tl.store(OUT + o_n64, key_value(prefix | low), mask=m_n)
 
 
-def kth_largest(logits: torch.Tensor, top_k: Optional[int], block_v: Optional[int] = None) -> Optional[torch.Tensor]:
-    """(N,) float32 k-th largest value of each row of (N, V) float32/float16/bfloat16 ``logits``, or None
-    when ``top_k`` is None or keeps the whole row. Equals ``logits.topk(top_k).values[:, -1]`` exactly
-    (``reference.kth_largest``); ``block_v`` (a power of two) overrides the vocabulary chunk."""
+def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None) -> torch.Tensor:
+    """(N,) float32 k-th largest value of each row of (N, V) float32/float16/bfloat16 ``logits``, 1 <= top_k
+    <= V (no checks: ``threshold`` is the launchers' entry). Equals ``logits.topk(top_k).values[:, -1]``
+    exactly (``reference.kth_largest``); ``block_v`` (a power of two) overrides the vocabulary chunk."""
     N, V = logits.shape
-    if top_k is None or top_k >= V:
-        return None
     out = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return out

@@ -74,11 +74,10 @@ def test_kth_largest_strided_rows(poisoned_empty):
     torch.testing.assert_close(kth_largest(x, 9, 32), ref.kth_largest(x, 9).float(), rtol=0, atol=0)
 
 
-def test_kth_largest_keeps_everything_and_empty_batch():
+def test_kth_largest_empty_batch_and_k_equal_to_v(poisoned_empty):
     x = torch.randn(3, 10)
-    assert kth_largest(x, None) is None
-    assert kth_largest(x, 10) is None
     assert kth_largest(x[:0], 4).shape == (0,)
+    torch.testing.assert_close(kth_largest(x, 10), x.min(-1).values, rtol=0, atol=0)
 
 
 def test_launchers_threshold_is_the_kth_largest(poisoned_empty):
