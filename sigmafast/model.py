@@ -10,22 +10,8 @@ tokens in order σ is fed as tokens ``[BOS, x_σ1 … x_σ(T-1)]``, in_pos
 ``[START, σ1 … σ(T-1)]``, out_pos ``[σ1 … σT]`` and targets ``[x_σ1 … x_σT]``
 (see :func:`sigmafast.orders.shuffle`).
 
-With ``pos_encoding="rope"`` (or ``"rope+sinusoidal"`` / ``"rope+learned"``, which
-also add the absolute encoding above) the double encoding is *relative*: each
-head's query is rotated by the target position ``out_pos`` and each key by the
-token's own position ``in_pos`` (RoPE, Su et al. 2021), so an attention score
-depends on ``out_pos_query - in_pos_key``: how far the visited token sits from
-the position being predicted. Keys are rotated once, when computed, so a KV
-cache stores rotated keys and the attention kernels take q and k as they are.
-
-``pos_encoding="rope-v"`` (and ``"rope-v+sinusoidal"`` / ``"rope-v+learned"``)
-also rotates each value by ``in_pos`` and each head's attention output back by
-``out_pos``, so the output is ``sum_i a_i R(in_pos_i - out_pos) v_i``: what a
-head reads carries the offset of the token it read from, not only its content.
-With plain RoPE the residual stream never sees a position, and the model cannot
-tell *where* the visited token it attended to sits. The rotation back is applied
-after the attention, per query, so the KV cache (rotated values) and the
-attention kernels are unchanged here too.
+The positional encodings (absolute tables, RoPE and its value-rotating variant
+``rope-v``) live in :mod:`sigmafast.positions`.
 
 The per-layer pieces (``CausalSelfAttention.qkv`` / ``.project``, ``MLP``) work
 on any number of leading dimensions, so the KV-cached inference path can run
@@ -37,13 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .loss import linear_cross_entropy
+from .positions import Rotary, rotary_tables, sinusoidal_table
 
 POS_ENCODINGS = (
     "sinusoidal", "learned",
@@ -52,8 +39,6 @@ POS_ENCODINGS = (
 )
 EMBEDDING_INITS = ("normal", "orthogonal")
 FINAL_NORMS = ("layernorm", "scalar")
-ROPE_BASE = 10000.0
-PE_SCALE = 0.02 * math.sqrt(2.0)  # channel RMS 0.02, as the token embeddings at init
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),
@@ -154,63 +139,6 @@ class SigmaGPTConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
-
-
-def sinusoidal_table(n_pos: int, dim: int, scale: float = PE_SCALE) -> torch.Tensor:
-    """(n_pos, dim) table: sin on even, cos on odd channels (Vaswani et al.), times ``scale``.
-
-    The default scale gives every channel an RMS of 0.02, the std of the GPT-2
-    token-embedding init. At unit amplitude (the original σ-GPT code) the fixed
-    encoding outweighs the token embedding ~35:1 after the first LayerNorm, and
-    small models barely see the tokens: a tiny left-to-right character model
-    stayed at the unigram loss after 300 steps, and beat it by ~0.9 nats once
-    scaled (``tests/test_text.py``).
-    """
-    pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
-    i = torch.arange(0, dim, 2, dtype=torch.float64)
-    angle = pos / torch.pow(10000.0, i / dim)  # (n_pos, ceil(dim/2))
-    table = torch.zeros(n_pos, dim, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(angle)
-    table[:, 1::2] = torch.cos(angle[:, : dim // 2])
-    return (table * scale).float()
-
-
-class Rotary(NamedTuple):
-    """Rotation angles of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D/2) each.
-
-    With ``values`` the values are rotated as the keys, and :meth:`restore` rotates
-    each attention output back by its query's angle (``rope-v``).
-    """
-
-    cos_q: torch.Tensor
-    sin_q: torch.Tensor
-    cos_k: torch.Tensor
-    sin_k: torch.Tensor
-    values: bool = False
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """(..., H, T, D) rotated pairwise (x_i, x_{i + D/2}) by the angles of cos/sin (..., 1, T, D/2)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-    def apply(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v (..., H, T, D) -> q rotated by ``out_pos``, k (and v with ``values``) by ``in_pos``."""
-        q, k = self.rotate(q, self.cos_q, self.sin_q), self.rotate(k, self.cos_k, self.sin_k)
-        return q, k, self.rotate(v, self.cos_k, self.sin_k) if self.values else v
-
-    def restore(self, y: torch.Tensor) -> torch.Tensor:
-        """(..., H, T, D) attention output, rotated back by ``out_pos`` with ``values``; else unchanged."""
-        return self.rotate(y, self.cos_q, -self.sin_q) if self.values else y
-
-
-def rotary_tables(n_pos: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n_pos, head_dim / 2) cos and sin of the RoPE angles pos / base^(2i / head_dim)."""
-    inv_freq = torch.pow(base, -torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angle = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq  # (n_pos, D/2)
-    return angle.cos().float(), angle.sin().float()
 
 
 class CausalSelfAttention(nn.Module):

@@ -10,7 +10,6 @@ the same ``grad_accum``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -36,7 +35,7 @@ from .loss import step_weights
 from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
 from .signals import StopRequest
-from .train_config import TrainConfig, resolve
+from .train_config import TrainConfig, resolve, resume_config
 
 __all__ = ["TrainConfig", "TrainResult", "train", "load_checkpoint", "learning_rate", "build_model_config"]
 
@@ -186,6 +185,10 @@ class _Trainer:
         from .tasks import get_task
 
         self.layout, self.stop, self.device = layout, stop, layout.device
+        ckpt = read_checkpoint(checkpoint_path(user_cfg.out_dir)) if user_cfg.resume else None
+        if ckpt is not None:  # the fields left unset continue the stored run
+            stored_model = SigmaGPTConfig.from_dict(ckpt["model_config"]).to_dict()
+            user_cfg = resume_config(user_cfg, ckpt["train_config"], stored_model)
         task_kwargs = user_cfg.task_kwargs()
         self.task = get_task(user_cfg.task, **task_kwargs)
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
@@ -199,15 +202,9 @@ class _Trainer:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} cannot be created: {e}") from None
-        ckpt = None
-        if cfg.resume:
-            ckpt = read_checkpoint(self.path)
+        if ckpt is not None:
             check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective,
                              cfg.diffusion_config())
-            stored = ckpt["train_config"].get("loss_weighting") or "uniform"  # older checkpoints: uniform
-            if user_cfg.loss_weighting is None and stored != cfg.loss_weighting:  # the run's own, not a newer recipe's
-                self._info("resuming with the checkpoint's loss weighting %r", stored)
-                self.cfg = cfg = dataclasses.replace(cfg, loss_weighting=stored)
 
         use_bf16 = cfg.dtype == "bfloat16" or (
             cfg.dtype == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()

@@ -140,7 +140,7 @@ class TrainConfig:
     device: str = _field("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = _field("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", DTYPES)
     compile: bool = _field(False, "torch.compile the model")
-    resume: bool = _field(False, "continue from out_dir/ckpt.pt")
+    resume: bool = _field(False, "continue from out_dir/ckpt.pt; unset flags take the checkpoint's values")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -271,14 +271,46 @@ def _check_range(name: str, value, low: float, strict: bool = False) -> None:
         raise ValueError(f"TrainConfig.{name} must be {bound}, got {value!r}")
 
 
+# Training fields' values before any recipe set them: what a checkpoint that lacks the field was trained with.
+_BASE_DEFAULTS = {"order": "random", "curriculum_start": 0.5, "embedding_lr_scale": 1.0, "final_norm_lr_scale": 1.0,
+                  "loss_weighting": "uniform"}
+# Fields derived from another one when unset: (derived, source).
+_DERIVED = (("lr_decay_iters", "max_iters"), ("min_lr", "lr"), ("grad_accum", "batch_size"))
+
+
+def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict) -> TrainConfig:
+    """``cfg`` for ``--resume``: every field left unset takes the checkpoint's value, so that the run goes on
+    as it was started even when a later version changed the presets or the task recipes.
+
+    ``stored_train`` is the checkpoint's resolved TrainConfig dict and ``stored_model`` its model config dict
+    (fields an older checkpoint lacks already at their defaults). The architecture comes from the model that
+    was built; training fields the checkpoint lacks take their values from before any recipe
+    (:data:`_BASE_DEFAULTS`). The preset is the checkpoint's unless ``cfg`` names another one than the task's
+    default. A derived field (``lr_decay_iters``, ``min_lr``, ``grad_accum``) whose source the user sets
+    is derived again.
+    """
+    stored = {**_BASE_DEFAULTS, **{k: v for k, v in stored_train.items() if v is not None}}
+    stored.update({k: stored_model[k] for k in ARCH_FIELDS if k in stored_model})
+    values = cfg.to_dict()
+    for name, value in values.items():
+        if value is None and name in stored:
+            values[name] = stored[name]
+    default = TASK_RECIPES.get(cfg.task, {}).get("preset", default_preset(cfg.task))
+    if cfg.preset == default and stored.get("preset") in PRESETS:
+        values["preset"] = stored["preset"]
+    for derived, source in _DERIVED:
+        if getattr(cfg, derived) is None and getattr(cfg, source) is not None:
+            values[derived] = None
+    return TrainConfig(**values)
+
+
 def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
     """A copy of ``cfg`` with every preset default filled in.
 
     ``seq_len`` is the task's; ``world_size`` the number of DDP ranks, which
     must divide ``grad_accum``.
     """
-    preset = {**TRAIN_PRESETS[cfg.preset], "order": "random", "curriculum_start": 0.5, "embedding_lr_scale": 1.0,
-              "final_norm_lr_scale": 1.0, "loss_weighting": "uniform", **cfg.recipe()}
+    preset = {**TRAIN_PRESETS[cfg.preset], **_BASE_DEFAULTS, **cfg.recipe()}
     values = {k: (preset[k] if getattr(cfg, k) is None and k in preset and k != "min_lr" else getattr(cfg, k))
               for k in (f.name for f in dataclasses.fields(cfg))}
     if cfg.grad_accum is None:  # at least one micro-step per rank

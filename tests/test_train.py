@@ -17,6 +17,7 @@ from sigmafast.tasks import get_task
 from sigmafast.train import (
     TrainConfig, build_model_config, configure_optimizer, learning_rate, load_checkpoint, train,
 )
+from sigmafast import train_config
 from sigmafast.train_config import resolve
 from helpers import small_cfg
 
@@ -247,17 +248,29 @@ def test_visited_loss_weighting_weights_each_step(tmp_path, monkeypatch):
     assert resolve(small_cfg(tmp_path, objective="diffusion"), 12).loss_weighting == "uniform"
 
 
-def test_resume_keeps_the_checkpoint_loss_weighting(tmp_path):
-    """A run resumed without --loss-weighting continues with its own weighting, not the recipe's."""
-    first = train(small_cfg(tmp_path, loss_weighting="uniform", max_iters=2))
-    assert read_checkpoint(first.checkpoint_path)["train_config"]["loss_weighting"] == "uniform"
+def test_resume_continues_the_stored_run_after_the_recipe_changes(tmp_path, monkeypatch):
+    """Fields left unset on --resume come from the checkpoint, not from a recipe changed since (a newer
+    version); a field an older checkpoint lacks takes its value from before the recipes; an explicit flag
+    wins, and a derived field follows an explicit source."""
+    first = train(small_cfg(tmp_path, task="product", loss_weighting="uniform", max_iters=2))
+    stored = read_checkpoint(first.checkpoint_path)["train_config"]
     ckpt = read_checkpoint(first.checkpoint_path)
     del ckpt["train_config"]["loss_weighting"]  # a checkpoint from before the option
     torch.save(ckpt, first.checkpoint_path)
-    train(small_cfg(tmp_path, max_iters=3, resume=True))
-    assert read_checkpoint(first.checkpoint_path)["train_config"]["loss_weighting"] == "uniform"
-    train(small_cfg(tmp_path, max_iters=4, resume=True, loss_weighting="visited"))  # an explicit flag wins
-    assert read_checkpoint(first.checkpoint_path)["train_config"]["loss_weighting"] == "visited"
+    monkeypatch.setitem(train_config.TASK_RECIPES, "product", dict(
+        loss_weighting="visited", pos_encoding="rope", mlp_ratio=0, final_norm="scalar", lr=1e-2, batch_size=4))
+    resumed = dict(task="product", seq_len=12, out_dir=str(tmp_path), resume=True, log_interval=1)
+    train(TrainConfig(**resumed, max_iters=3))
+    now = read_checkpoint(first.checkpoint_path)
+    assert now["iter"] == 3 and now["model_config"] == ckpt["model_config"]
+    skip = {"max_iters", "resume", "lr_decay_iters", *train_config.ARCH_FIELDS}  # the model is compared above
+    assert {k: v for k, v in now["train_config"].items() if k not in skip} \
+        == {k: v for k, v in stored.items() if k not in skip}
+    assert now["train_config"]["lr_decay_iters"] == 3  # derived from the new max_iters
+    train(TrainConfig(**resumed, max_iters=4, loss_weighting="visited", lr=2e-3))  # explicit flags win
+    now = read_checkpoint(first.checkpoint_path)["train_config"]
+    assert (now["loss_weighting"], now["lr"], now["min_lr"]) == ("visited", 2e-3, 2e-4)
+    assert now["batch_size"] == stored["batch_size"]
 
 
 def test_resume_reads_missing_model_fields_as_their_defaults(tmp_path):
@@ -421,8 +434,6 @@ def test_script_trains_and_resumes(tmp_path, capsys):
 
 
 def test_task_recipes_fill_only_unset_fields(monkeypatch):
-    from sigmafast import train_config
-
     cfg = resolve(TrainConfig(task="char"), seq_len=256)
     assert (cfg.pos_encoding, cfg.order, cfg.curriculum_start) == ("rope-v", "curriculum", 0.5)
     mine = resolve(TrainConfig(task="char", pos_encoding="learned", order="random"), seq_len=256)
