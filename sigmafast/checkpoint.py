@@ -105,6 +105,12 @@ def stored_objective(ckpt: dict) -> tuple[str, Optional[DiffusionConfig]]:
     return objective, None if diffusion is None else DiffusionConfig.from_dict(diffusion)
 
 
+def stored_model_config(ckpt: dict) -> SigmaGPTConfig:
+    """The checkpoint's model config; fields added since it was written read as their defaults (the model
+    it was built with)."""
+    return SigmaGPTConfig.from_dict(ckpt["model_config"])
+
+
 def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path, objective: str = "sigma",
                      diffusion: Optional[DiffusionConfig] = None) -> None:
     """Raise ``ValueError`` listing every objective, architecture or task field that differs from the
@@ -113,8 +119,7 @@ def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path,
     was = stored_objective(ckpt)
     if was != (objective, diffusion):
         diffs.append(f"objective: checkpoint {was[0]!r} {was[1]}, now {objective!r} {diffusion}")
-    # fields added since the checkpoint was written read as their defaults (the model it was built with)
-    stored, now = SigmaGPTConfig.from_dict(ckpt["model_config"]).to_dict(), model_config.to_dict()
+    stored, now = stored_model_config(ckpt).to_dict(), model_config.to_dict()
     for k in sorted(set(stored) | set(now)):
         if stored.get(k) != now.get(k):
             diffs.append(f"{k}: checkpoint {stored.get(k)!r}, now {now.get(k)!r}")
@@ -151,7 +156,7 @@ def load_checkpoint(path, device="cpu") -> tuple[nn.Module, object, TrainConfig]
     ckpt = read_checkpoint(path)
     train_cfg = TrainConfig.from_dict(ckpt["train_config"])
     task = get_task(ckpt["task"]["name"], **ckpt["task"]["kwargs"])
-    model = make_model(SigmaGPTConfig.from_dict(ckpt["model_config"]), *stored_objective(ckpt))
+    model = make_model(stored_model_config(ckpt), *stored_objective(ckpt))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), task, train_cfg
 

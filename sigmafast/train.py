@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import diffusion, orders
 from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_checkpoint,
-    rng_state, set_rng_state, task_record,
+    rng_state, set_rng_state, stored_model_config, task_record,
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
@@ -187,8 +187,7 @@ class _Trainer:
         self.layout, self.stop, self.device = layout, stop, layout.device
         ckpt = read_checkpoint(checkpoint_path(user_cfg.out_dir)) if user_cfg.resume else None
         if ckpt is not None:  # the fields left unset continue the stored run
-            stored_model = SigmaGPTConfig.from_dict(ckpt["model_config"]).to_dict()
-            user_cfg = resume_config(user_cfg, ckpt["train_config"], stored_model)
+            user_cfg = resume_config(user_cfg, ckpt["train_config"], stored_model_config(ckpt).to_dict())
         task_kwargs = user_cfg.task_kwargs()
         self.task = get_task(user_cfg.task, **task_kwargs)
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)

@@ -151,7 +151,7 @@ class TrainConfig:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         _check_choice("task", self.task, TASK_NAMES)
         if self.preset is None:
-            self.preset = TASK_RECIPES.get(self.task, {}).get("preset", default_preset(self.task))
+            self.preset = default_preset(self.task)
         _check_choice("preset", self.preset, tuple(PRESETS))
         if self.order is not None:
             _check_choice("order", self.order, ORDER_NAMES)
@@ -230,8 +230,8 @@ class TrainConfig:
 
 
 def default_preset(task: str) -> str:
-    """The paper's GPT-2 124M for the web-text tasks, a CPU-sized model otherwise."""
-    return "gpt2" if task in PAPER_TASKS else "tiny"
+    """The task recipe's preset; else the paper's GPT-2 124M for the web-text tasks, a CPU-sized model otherwise."""
+    return TASK_RECIPES.get(task, {}).get("preset", "gpt2" if task in PAPER_TASKS else "tiny")
 
 
 def _check_type(name: str, value, annotation) -> None:
@@ -298,8 +298,7 @@ def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict) -> T
     for name, value in values.items():
         if value is None and name in stored:
             values[name] = stored[name]
-    default = TASK_RECIPES.get(cfg.task, {}).get("preset", default_preset(cfg.task))
-    if cfg.preset == default and stored.get("preset") in PRESETS:
+    if cfg.preset == default_preset(cfg.task) and stored.get("preset") in PRESETS:
         values["preset"] = stored["preset"]
     for derived, source in _DERIVED:
         if getattr(cfg, derived) is None and getattr(cfg, source) is not None:
