@@ -71,8 +71,10 @@ STRATEGIES = {
     "ar": dict(strategy="autoregressive", order="left-to-right"),
     "burst": dict(strategy="burst", num_orders=5, acceptance="paper"),
     "ar-inductor": dict(strategy="autoregressive", order="left-to-right"),  # Engine(compile_steps="inductor")
+    "burst-inductor": dict(strategy="burst", num_orders=5, acceptance="paper"),
 }
-COMPILED = {"ar-inductor": "inductor"}  # CUDA only: inductor's compile time is minutes on a small CPU
+# CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
+COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -280,8 +282,8 @@ def test_engine(benchmark, strategy, shape, batch):
     _skip_shape(shape)
     if strategy in COMPILED and not CUDA:
         pytest.skip("compiled steps are benchmarked on CUDA only")
-    if strategy in COMPILED and shape == "tiny":
-        pytest.skip("compiled steps: small and gpt2 shapes only (compile time)")
+    if strategy in COMPILED and (shape == "tiny" or (strategy.startswith("burst") and batch > 1)):
+        pytest.skip("compiled steps: small and gpt2 shapes only, bursts at B = 1 only (compile time)")
     model = _model("sigma", shape)
     prompt = _prompt(batch, PROMPT)
     kwargs = {**STRATEGIES[strategy], **SAMPLING}
@@ -322,6 +324,7 @@ def test_engine(benchmark, strategy, shape, batch):
                            on_iteration=hook, **kwargs)
         per_iter = [1e3 * (b - a) for a, b in zip([t0] + stamps, stamps)]
         info.update(num_orders=kwargs["num_orders"], acceptance=kwargs["acceptance"],
+                    compile_steps=COMPILED.get(strategy),
                     iterations_max=int(iters.max()), iterations_mean=float(iters.mean()),
                     ms_per_iteration=1e3 * wall / max(int(iters.max()), 1), ms_per_token=1e3 * wall / NEW,
                     synced_first_iteration_ms=per_iter[0] if per_iter else None,  # prompt prefill included

@@ -31,11 +31,11 @@ for part in ${GPU_PARTS:-tests engine kernels profile inductor}; do
     engine-ar) run engine-ar "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/engine_ar.json" -k "test_first_call or (test_engine and ar- and not inductor)" ;;
     engine-burst) run engine-burst "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py \
-        "${BENCH[@]}" --benchmark-json="$OUT/engine_burst.json" -k "test_engine and burst-" ;;
+        "${BENCH[@]}" --benchmark-json="$OUT/engine_burst.json" -k "test_engine and burst- and not inductor" ;;
     kernels) run kernels "${GPU_KERNELS_LIMIT:-60}" python -m pytest benchmarks/bench_kernels.py "${BENCH[@]}" \
         --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
     profile) run profile "${GPU_PROFILE_LIMIT:-60}" python benchmarks/profile_steps.py --shape gpt2 --batch 1 ;;
-    inductor) run inductor "${GPU_INDUCTOR_LIMIT:-90}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
+    inductor) run inductor "${GPU_INDUCTOR_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/inductor.json" -k "${GPU_INDUCTOR_K:-test_engine and inductor and gpt2}" ;;
     esac
 done

@@ -200,11 +200,15 @@ def config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int, int]:
     16-bit: 64 query rows per tile, so that up to 64 queries (a burst of R <= 64, or O·R <= 64
     verification rows) share one read of each cache tile, and one Hopper warpgroup MMA (m64) covers
     the tile; the op stays bound by the cache read even when a small R leaves most rows empty.
-    fp32 (IEEE dots on the FMA units): smaller tiles, no spills."""
+    fp32 (IEEE dots on the FMA units): smaller tiles. No variant spills registers on sm_90
+    (``benchmarks/compile_sm90.py``): with 4 warps the D = 128 tile needed 255 registers and 88 bytes
+    of stack, with 8 warps it needs 208 and none."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
         return (64, 32, block_d, 8, 2) if block_d <= 64 else (32, 16, block_d, 8, 2)
-    return (64, 64, block_d, 4, 3) if block_d <= 128 else (64, 32, block_d, 8, 2)
+    if block_d <= 64:
+        return (64, 64, block_d, 4, 3)
+    return (64, 64, block_d, 8, 3) if block_d <= 128 else (64, 32, block_d, 8, 2)
 
 
 def stride_unit(head_dim: int) -> int:
@@ -268,7 +272,7 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
     if num_splits > 1:
         _combine_kernel[(n_m, B * H)](
             o_part, lse_part, dst, *o_strides, H, M, D, S, num_splits,
-            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, STRIDE_UNIT=unit, num_warps=4,
+            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, STRIDE_UNIT=unit, num_warps=4 if BLOCK_D <= 128 else 8,  # no spills
         )
     if dst is not out:
         out.copy_(dst)

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import reference
 from .utils import row_stride
-from .vocab import aligned_rows, row_window, split_config, window_masks
+from .vocab import aligned_rows, is_interior, row_window, split_config, window_masks
 
 BINS = tl.constexpr(256)
 DIGIT_BITS = tl.constexpr(8)
@@ -78,10 +78,14 @@ def _radix_hist_kernel(
     c = tl.program_id(1)
     o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
-    b_key = order_key(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
     prefix = tl.load(PREFIX + o_n64, mask=m_n, other=0)[:, None]  # (BLOCK_N, 1)
-    m_k = m_v & ((b_key >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS)))
+    if is_interior(c, V, BLOCK_V, ALIGN):  # uniform: no column masks inside the rows (vocab.chunk_load)
+        b_key = order_key(tl.load(X + o_base[:, None] + o_b, mask=m_n[:, None], other=0.0).to(tl.float32))
+        m_k = m_n[:, None] & ((b_key >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS)))
+    else:
+        _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
+        b_key = order_key(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
+        m_k = m_v & ((b_key >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS)))
     b_d = ((b_key >> shift) & (BINS - 1)).to(tl.int32) + tl.arange(0, BLOCK_N)[:, None] * BINS
     b_h = tl.histogram(tl.reshape(b_d, [BLOCK_N * BLOCK_V]), BLOCK_N * BINS,
                        mask=tl.reshape(m_k, [BLOCK_N * BLOCK_V]))  # (BLOCK_N * BINS,)

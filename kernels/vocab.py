@@ -20,6 +20,15 @@ few fp32/int32 per (row, chunk) (``NC = cdiv(V, BLOCK_V)`` chunks per row,
   per (row, chunk) the masses of ``max(0, q - p)`` and of q (normalised by the
   row log-sum-exps, recombined in every program from the (N, NC) partials).
 
+Only a row's first and last chunks need column masks (its aligned window starts
+up to ALIGN - 1 columns early and ends past V): every other chunk
+(``is_interior``, a test on the program's chunk index alone, so the branch is
+uniform) loads with the row mask only, and its per-element work is the
+conversion, the max and the exponential. Without the branch the masks cost
+about as many integer operations per element as the arithmetic, and on the
+H200 these kernels were bound by per-element work, not by loads (fp32 rows,
+twice the bytes, took 1.36x the time of bf16 ones).
+
 Tiles are functions of V (and of an explicit ``block_v``) only, never of the
 row count; sizes, counts and strides are not specialised (see utils).
 """
@@ -90,15 +99,41 @@ def window_masks(o_b, shift, end, m_n, V):
 
 
 @triton.jit
-def window_load(ptr, o_b, m_w, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
-    """Logits at window offsets o_b as fp32 (vector-granular load mask m_w, column mask m_v after), -inf
-    where masked or below the top-k threshold, over the temperature."""
-    b_x = tl.load(ptr + o_b, mask=m_w, other=float("-inf")).to(tl.float32)
-    b_x = tl.where(m_v, b_x, float("-inf"))
+def processed(b_x, kth, temperature, HAS_TOPK: tl.constexpr):
+    """fp32 logits -> -inf below the top-k threshold ``kth``, over the temperature."""
     if HAS_TOPK:
         b_x = tl.where(b_x < kth, float("-inf"), b_x)
     if temperature != 1.0:  # a uniform branch: x / 1 is x, and the IEEE division costs more than the load
         b_x = tl.math.div_rn(b_x, temperature)  # as torch's logits / temperature
+    return b_x
+
+
+@triton.jit
+def window_load(ptr, o_b, m_w, m_v, kth, temperature, HAS_TOPK: tl.constexpr):
+    """Logits at window offsets o_b as fp32 (vector-granular load mask m_w, column mask m_v after), -inf
+    where masked or below the top-k threshold, over the temperature."""
+    b_x = tl.load(ptr + o_b, mask=m_w, other=float("-inf")).to(tl.float32)
+    return processed(tl.where(m_v, b_x, float("-inf")), kth, temperature, HAS_TOPK)
+
+
+@triton.jit
+def is_interior(c, V, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr):
+    """Whether window chunk c lies inside the columns of every row, whatever its shift (< ALIGN): column
+    ``j = o_b - shift`` of its offsets o_b in [c * BLOCK_V, (c + 1) * BLOCK_V) is then in [0, V)."""
+    return (c * BLOCK_V >= ALIGN) & ((c + 1) * BLOCK_V <= V)
+
+
+@triton.jit
+def chunk_load(ptr, o_b, shift, end, m_n, V, interior, kth, temperature, HAS_TOPK: tl.constexpr):
+    """``window_load`` of one chunk (o_b: (1, BLOCK_V) window offsets) of the rows at ``ptr`` (BLOCK_N, 1).
+    ``interior`` (``is_interior``, uniform over the program) skips the column masks: all but the first and
+    last chunks of a long row (23 of GPT-2's 25), whose per-element work is then the exponential alone."""
+    if interior:
+        b_x = tl.load(ptr + o_b, mask=m_n[:, None], other=float("-inf")).to(tl.float32)
+        b_x = processed(b_x, kth, temperature, HAS_TOPK)
+    else:
+        _, m_w, m_v = window_masks(o_b, shift, end, m_n, V)
+        b_x = window_load(ptr, o_b, m_w, m_v, kth, temperature, HAS_TOPK)
     return b_x
 
 
@@ -124,11 +159,11 @@ def _chunk_stats_kernel(
     c = tl.program_id(1)
     o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each; STRIDE_UNIT: utils
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    o_v, m_w, m_v = window_masks(o_b, shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
     kth = tl.zeros([BLOCK_N, 1], tl.float32)
     if HAS_TOPK:
         kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
-    b_x = window_load(X + o_base[:, None], o_b, m_w, m_v, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
+    b_x = chunk_load(X + o_base[:, None], o_b, shift, end, m_n, V, is_interior(c, V, BLOCK_V, ALIGN), kth,
+                     temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
     b_m = tl.max(b_x, 1)  # (BLOCK_N,)
     m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
     b_s = tl.sum(tl.exp(b_x - m_use[:, None]), 1)
@@ -174,8 +209,11 @@ def _residual_mass_kernel(
         kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
     o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    o_v, m_w, m_v = window_masks(o_b, shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
-    b_q, b_p = residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK)
+    interior = is_interior(c, V, BLOCK_V, ALIGN)
+    b_q = tl.exp(chunk_load(QL + o_base[:, None], o_b, shift, end, m_n, V, interior, kq, temperature, HAS_TOPK)
+                 - lse_q[:, None])
+    b_p = tl.exp(chunk_load(PL + o_base[:, None], o_b, shift, end, m_n, V, interior, kp, temperature, HAS_TOPK)
+                 - lse_p[:, None])
     o_p = o_n64 * NC + c
     tl.store(RM + o_p, tl.sum(tl.maximum(b_q - b_p, 0.0), 1), mask=m_n)
     tl.store(QM + o_p, tl.sum(b_q, 1), mask=m_n)

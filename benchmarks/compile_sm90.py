@@ -1,0 +1,170 @@
+"""Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
+
+    python benchmarks/compile_sm90.py [--json FILE] [--dtypes bf16,fp32]
+
+The Triton interpreter runs the kernels' arithmetic on the CPU but not the
+GPU compiler, so a kernel can pass every CPU test and still fail to compile,
+or spill registers, on the GPU. This script calls the real launchers (the
+same tiles, specialisations and launch options as on CUDA) on CPU tensors,
+with Triton's driver replaced by an offline one whose target is sm_90 and whose
+launches only compile: Triton's own compiler and the bundled ptxas build each
+kernel variant, and nothing runs. Per variant it prints the registers per
+thread, the local memory (spills), the shared memory and the number of SASS
+instructions (``nvdisasm``), and it exits 1 if a kernel fails to compile.
+
+It needs triton's NVIDIA backend (bundled with the Linux wheels), and
+``TRITON_INTERPRET`` unset, which it enforces before importing triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = GPUTarget("cuda", 90, 32)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NV_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+class OfflineDriver:
+    """The parts of Triton's active driver that compiling needs: an sm_90 target, device 0, stream 0."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def _resources(kernel) -> dict:
+    """Registers per thread, stack and local (spill) bytes, shared memory bytes and SASS instructions."""
+    cubin = kernel.asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(NV_BIN / "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(NV_BIN / "nvdisasm"), "-c", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    field = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
+    return dict(registers=field.get("REG", 0), stack=field.get("STACK", 0), local=field.get("LOCAL", 0),
+                shared=kernel.metadata.shared, instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass)))
+
+
+def _cases(dtype: torch.dtype):
+    """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
+    sys.path.insert(0, str(ROOT))
+    from kernels import accept, attention, sampling, topk
+
+    g = torch.Generator().manual_seed(0)
+    V, N, C = 50257, 64, 768
+
+    def attn(ndim: int, D: int, splits):
+        B, O, H, R, L = 2, 5, 12, 16, 2048
+        shape = (B, H, R, D) if ndim == 4 else (B, O, H, R, D)
+        q, k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))
+        kc, vc = (torch.randn(B, H, L, D, generator=g).to(dtype) for _ in range(2))
+        return lambda: attention.cascade_attention(q, k, v, kc, vc, torch.tensor([L, 100]), num_splits=splits)
+
+    x = torch.randn(N, V, generator=g).to(dtype)
+    p = torch.randn(N, V, generator=g).to(dtype)
+    u = torch.rand(N, generator=g)
+    d = torch.randint(0, V, (N,), generator=g)
+    h = torch.randn(N, C, generator=g).to(dtype)
+    w = torch.randn(V, C, generator=g).to(dtype)
+    for D in (64, 128, 256):
+        for ndim, kind in ((4, "burst"), (5, "verify")):
+            yield f"{kind} attention D={D}, one split", attn(ndim, D, 1)
+            yield f"{kind} attention D={D}, KV splits", attn(ndim, D, 4)
+    for T, k in ((1.0, None), (0.8, 50)):
+        yield f"sample T={T} top-k={k}", lambda T=T, k=k: sampling.launch(x, None, u, T, k)
+        yield f"residual sample T={T} top-k={k}", lambda T=T, k=k: sampling.launch(x, p, u, T, k)
+        yield f"draft log q T={T} top-k={k}", lambda T=T, k=k: accept.draft_logq(x, d, T, k)
+    yield "draft argmax (greedy acceptance)", lambda: accept.draft_logq(x, d, 0.0)
+    yield "top-k threshold (radix select)", lambda: topk.kth_largest(x, 50)
+    yield "fused LM head log q", lambda: accept.lm_head_logq(h, w, d, 1.0)
+    yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
+
+
+def compile_all(dtype_names) -> tuple[list, list]:
+    """Compile every case's kernels: (rows of per-variant resources, errors). For a process without a
+    GPU: the offline driver stays active (Triton cannot create its default driver there)."""
+    compiled = []
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    driver.set_active(OfflineDriver())
+    JITFunction.run = compile_only
+    rows, errors, seen = [], [], set()
+    try:
+        for dname in dtype_names:
+            for case, thunk in _cases(DTYPES[dname]):
+                compiled.clear()
+                try:
+                    thunk()
+                except Exception as e:  # report every failing case, not only the first
+                    errors.append(dict(dtype=dname, case=case, error=f"{type(e).__name__}: {e}",
+                                       trace=traceback.format_exc(limit=-3)))
+                    continue
+                for name, kernel in compiled:
+                    key = (dname, name, kernel.hash)
+                    if key not in seen:
+                        seen.add(key)
+                        rows.append(dict(dtype=dname, case=case, kernel=name, **_resources(kernel)))
+    finally:
+        JITFunction.run = launch
+    return rows, errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the rows and errors here")
+    parser.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated: bf16, fp16, fp32")
+    args = parser.parse_args()
+    names = [n for n in args.dtypes.split(",") if n]
+    bad = [n for n in names if n not in DTYPES]
+    if bad or not names:
+        parser.error(f"--dtypes takes names from {sorted(DTYPES)}, got {args.dtypes!r}")
+    if not (NV_BIN / "ptxas").exists():
+        sys.exit(f"triton {triton.__version__} has no bundled ptxas under {NV_BIN}: cannot compile for sm_90")
+    rows, errors = compile_all(names)
+    print(f"{'dtype':5} {'kernel':24} {'regs':>4} {'local':>5} {'shared':>6} {'SASS':>5}  first case")
+    for r in rows:
+        print(f"{r['dtype']:5} {r['kernel']:24} {r['registers']:4d} {r['local']:5d} {r['shared']:6d} "
+              f"{r['instructions']:5d}  {r['case']}")
+    for e in errors:
+        print(f"\nFAILED {e['dtype']} {e['case']}: {e['error']}\n{e['trace']}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(triton=triton.__version__, target="sm_90", rows=rows, errors=errors),
+                                        indent=1))
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()
