@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .topk import threshold
-from .utils import check_block_v, check_float, row_stride
+from .utils import check_block_v, check_float, exp_ftz, row_stride
 from .vocab import (
     _residual_mass_kernel, aligned_rows, chunk_stats, residual_lse, residual_probs, row_masses, row_window,
     split_config, window_load, window_masks,
@@ -104,7 +104,7 @@ def _sample_rows(
         b_x = b_q
     else:
         b_x = window_load(QL + o_base[:, None], o_b, m_w, m_v, kq, temperature, HAS_TOPK)
-        b_w = tl.exp(b_x - q_max[:, None])
+        b_w = exp_ftz(b_x - q_max[:, None])
     b_c = carry[:, None] + tl.cumsum(b_w, 1)
     first = tl.min(tl.where((b_c > target[:, None]) & m_v, o_v, V), 1)
     last_nz = tl.max(tl.where((b_w > 0.0) & m_v, o_v, -1), 1)
@@ -183,7 +183,8 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
         rm, qm = torch.empty_like(mq), torch.empty_like(mq)
         kq_, kp_ = (kq, kp) if kq is not None else (u, u)
         _residual_mass_kernel[(grid[0], cfg.nc)](
-            q_logits, p_logits, kq_, kp_, mq, sq, mp, sp, rm, qm, s_x, N, V, cfg.nc, float(temperature), **meta,
+            q_logits, p_logits, kq_, kp_, mq, sq, mp, sp, rm, qm, s_x, N, V, cfg.nc, float(temperature),
+            **{**meta, "num_warps": cfg.stream_warps},
         )
         _residual_kernel[grid](
             q_logits, p_logits, u, kq_, kp_, mq, sq, mp, sp, rm, qm, tokens, s_x, N, V, cfg.nc,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import rows_ready
+from .utils import exp_ftz, rows_ready
 
 CHUNK = 2048  # default BLOCK_V: 4 KB (bf16) to 8 KB (fp32) per row per program
 TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) tile of partials
@@ -49,7 +49,9 @@ MAX_ROWS = 256
 
 
 class SplitConfig(tuple):
-    """(BLOCK_V, BLOCK_N, NC, NC_PAD, num_warps, STRIDE_UNIT, ALIGN) of the split-V kernels."""
+    """(BLOCK_V, BLOCK_N, NC, NC_PAD, num_warps, STRIDE_UNIT, ALIGN, stream_warps) of the split-V kernels:
+    ``stream_warps`` for the kernels that stream every chunk (``chunk_stats``, the residual masses),
+    ``num_warps`` for the others."""
 
     __slots__ = ()
     block_v = property(lambda s: s[0])
@@ -59,19 +61,25 @@ class SplitConfig(tuple):
     num_warps = property(lambda s: s[4])
     unit = property(lambda s: s[5])
     align = property(lambda s: s[6])
+    stream_warps = property(lambda s: s[7])
 
 
 def split_config(V: int, dtype: torch.dtype, block_v: Optional[int] = None) -> SplitConfig:
     """The tiling of a vocabulary of V ``dtype`` logits (``block_v``, a power of two, overrides the
     chunk): a function of V, the dtype and ``block_v`` only, never of the row count. The chunks are
-    aligned windows (see ``row_window``), so a row spans up to ALIGN - 1 more columns."""
+    aligned windows (see ``row_window``), so a row spans up to ALIGN - 1 more columns.
+
+    Warps (sm_90 SASS, ``benchmarks/compile_sm90.py``): the streaming kernels take 4, so that each thread
+    holds 64 elements of the 8192-element tile and the row reductions' shuffles are shared by twice as many
+    (bf16 chunk statistics 14.8 -> 10.6 instructions per element, residual masses 34.0 -> 20.5); the
+    per-row kernels (token search, radix histogram) keep 8, which they need to stay clear of spills."""
     align = 16 // torch.empty((), dtype=dtype).element_size()  # elements per 16 bytes
     block_v = block_v or min(triton.next_power_of_2(V), CHUNK)
     nc = triton.cdiv(V + align - 1, block_v)
     nc_pad = max(2, triton.next_power_of_2(nc))
     block_n = max(1, min(TILE // block_v, TILE // nc_pad, MAX_ROWS))
     num_warps = 4 if block_n * block_v <= 2048 else 8
-    return SplitConfig((block_v, block_n, nc, nc_pad, num_warps, 16 if V % 16 == 0 else 1, align))
+    return SplitConfig((block_v, block_n, nc, nc_pad, num_warps, 16 if V % 16 == 0 else 1, align, 4))
 
 
 @triton.jit
@@ -166,7 +174,7 @@ def _chunk_stats_kernel(
                      temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
     b_m = tl.max(b_x, 1)  # (BLOCK_N,)
     m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_s = tl.sum(tl.exp(b_x - m_use[:, None]), 1)
+    b_s = tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
     o_p = o_n64 * NC + c
     tl.store(M + o_p, b_m, mask=m_n)
     tl.store(S + o_p, b_s, mask=m_n)
@@ -184,7 +192,7 @@ def row_masses(M, S, o_n64, m_n, NC, NC_PAD: tl.constexpr):
     b_s = tl.load(S + o_p, mask=m_c, other=0.0)
     r_m = tl.max(b_m, 1)
     r_m = tl.where(r_m == float("-inf"), 0.0, r_m)
-    b_w = b_s * tl.exp(b_m - r_m[:, None])  # (BLOCK_N, NC_PAD)
+    b_w = b_s * exp_ftz(b_m - r_m[:, None])  # (BLOCK_N, NC_PAD)
     r_t = tl.where(m_n, tl.sum(b_w, 1), 1.0)
     return r_m, b_w, r_t
 
@@ -210,10 +218,10 @@ def _residual_mass_kernel(
     o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
     interior = is_interior(c, V, BLOCK_V, ALIGN)
-    b_q = tl.exp(chunk_load(QL + o_base[:, None], o_b, shift, end, m_n, V, interior, kq, temperature, HAS_TOPK)
-                 - lse_q[:, None])
-    b_p = tl.exp(chunk_load(PL + o_base[:, None], o_b, shift, end, m_n, V, interior, kp, temperature, HAS_TOPK)
-                 - lse_p[:, None])
+    b_q = exp_ftz(chunk_load(QL + o_base[:, None], o_b, shift, end, m_n, V, interior, kq, temperature, HAS_TOPK)
+                  - lse_q[:, None])
+    b_p = exp_ftz(chunk_load(PL + o_base[:, None], o_b, shift, end, m_n, V, interior, kp, temperature, HAS_TOPK)
+                  - lse_p[:, None])
     o_p = o_n64 * NC + c
     tl.store(RM + o_p, tl.sum(tl.maximum(b_q - b_p, 0.0), 1), mask=m_n)
     tl.store(QM + o_p, tl.sum(b_q, 1), mask=m_n)
@@ -231,8 +239,8 @@ def residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD: tl.constexpr):
 @triton.jit
 def residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK: tl.constexpr):
     """(BLOCK_N, BLOCK_V) processed probabilities q and p at window offsets o_b (0 where masked)."""
-    b_q = tl.exp(window_load(QL + o_base[:, None], o_b, m_w, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
-    b_p = tl.exp(window_load(PL + o_base[:, None], o_b, m_w, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
+    b_q = exp_ftz(window_load(QL + o_base[:, None], o_b, m_w, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
+    b_p = exp_ftz(window_load(PL + o_base[:, None], o_b, m_w, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
     return b_q, b_p
 
 
@@ -244,6 +252,6 @@ def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int):
     _chunk_stats_kernel[(triton.cdiv(N, cfg.block_n), cfg.nc)](
         logits, kth if kth is not None else m, m, s, stride_units, N, V, cfg.nc, float(temperature),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
-        ALIGN=cfg.align, num_warps=cfg.num_warps,
+        ALIGN=cfg.align, num_warps=cfg.stream_warps,
     )
     return m, s
