@@ -36,7 +36,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NV_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -75,8 +74,7 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    sys.path.insert(0, str(ROOT))
-    from kernels import accept, attention, sampling, topk
+    from sigmafast.kernels import accept, attention, sampling, topk
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
