@@ -45,8 +45,8 @@ class Verified(NamedTuple):
     orders: torch.Tensor  # (B, O, R) visited positions
     hidden: Optional[torch.Tensor]  # (B, O, R, C) final hidden states (neural) or None
     logits: Optional[torch.Tensor]  # (B, O, R, V) verifier logits (oracles) or None
-    keys: tuple  # n_layer tensors (B, O, H, R, D) (neural) or ()
-    values: tuple
+    keys: Optional[torch.Tensor]  # (n_layer, B, O, H, R, D) every layer's keys (neural) or None
+    values: Optional[torch.Tensor]
 
 
 class NeuralConditionals:
@@ -147,6 +147,7 @@ class NeuralSession:
         tokens = torch.cat([self.last_tok[:, None, None].expand(B, O, 1), drafts[..., :-1]], dim=-1)
         in_pos = torch.cat([self.last_pos[:, None, None].expand(B, O, 1), orders[..., :-1]], dim=-1)
         x = model.embed(tokens, in_pos, orders)  # (B, O, R, C)
+        rotary = model.rotary(in_pos, orders)
         keys, values = [], []
 
         def attend(i, q, k, v):  # (B, O, H, R, D)
@@ -155,8 +156,17 @@ class NeuralSession:
             k_cache, v_cache = cache.layer(i)
             return kernels.verify_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        hidden = model.run_layers(x, attend, model.rotary(in_pos, orders))
-        return Verified(orders, hidden, None, tuple(keys), tuple(values))
+        if rotary is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # eager (CUDA graphs): every layer's projection in one buffer, so that commit gathers all layers'
+            # keys and values in one op (a stack of 5-d tensors is one copy kernel per layer on CUDA). An
+            # out= matmul: not under autograd, nor traced (functionalised, each write copies the buffer).
+            C, H = x.shape[-1], model.config.n_head
+            qkv = x.new_empty(model.config.n_layer, B, O, R, 3 * C)
+            hidden = model.run_layers(x, attend, None, qkv_out=qkv)
+            kv = qkv[..., C:].unflatten(-1, (2, H, C // H)).permute(4, 0, 1, 2, 5, 3, 6)  # (2, L, B, O, H, R, D)
+            return Verified(orders, hidden, None, kv[0], kv[1])
+        hidden = model.run_layers(x, attend, rotary)  # rotated keys: new tensors per layer
+        return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:
         """Append the first ``n[b]`` inputs of order ``choice[b]`` of ``verified``; the token at that
@@ -165,11 +175,9 @@ class NeuralSession:
         B, O = orders.shape[:2]
         rows = torch.arange(B, device=orders.device)
         if O == 1:  # one order (autoregressive, prefill, lossless): views, no gather
-            k = torch.stack([k_i[:, 0] for k_i in verified.keys])  # (n_layer, B, H, R, D)
-            v = torch.stack([v_i[:, 0] for v_i in verified.values])
-        else:
-            k = torch.stack([k_i[rows, choice] for k_i in verified.keys])
-            v = torch.stack([v_i[rows, choice] for v_i in verified.values])
+            k, v = verified.keys[:, :, 0], verified.values[:, :, 0]  # (n_layer, B, H, R, D)
+        else:  # one gather for every layer
+            k, v = verified.keys[:, rows, choice], verified.values[:, rows, choice]
         self.cache.append(k, v, n)
         chosen = orders[rows, choice]  # (B, R)
         pos = chosen.gather(1, (n - 1).clamp_min(0)[:, None]).squeeze(1)

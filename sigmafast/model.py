@@ -141,6 +141,16 @@ class SigmaGPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+def linear_into(x: torch.Tensor, layer: nn.Linear, out: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for (..., C) ``x``, written into the contiguous (..., N) ``out`` by one matmul."""
+    x2, o2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    if layer.bias is None:
+        torch.mm(x2, layer.weight.t(), out=o2)
+    else:
+        torch.addmm(layer.bias, x2, layer.weight.t(), out=o2)
+    return out
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: SigmaGPTConfig) -> None:
         super().__init__()
@@ -151,10 +161,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def qkv(self, x: torch.Tensor, rotary: Optional[Rotary] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(..., T, C) -> q, k, v each (..., H, T, D), rotated as ``rotary`` says when it is given."""
+    def qkv(self, x: torch.Tensor, rotary: Optional[Rotary] = None,
+            out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., T, C) -> q, k, v each (..., H, T, D), rotated as ``rotary`` says when it is given; the
+        projection is written into ``out`` (..., T, 3C), contiguous, when it is given."""
         *lead, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=-1)
+        q, k, v = (self.c_attn(x) if out is None else linear_into(x, self.c_attn, out)).split(C, dim=-1)
         shape = (*lead, T, self.n_head, self.head_dim)
         q, k, v = (t.view(shape).transpose(-3, -2) for t in (q, k, v))
         if rotary is not None:
@@ -308,15 +320,17 @@ class SigmaGPT(nn.Module):
         angles += [t[in_pos].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin)]
         return Rotary(*angles, values=self.config.rotary_values)
 
-    def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None,
+                   qkv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
 
         x is (..., T, C); q, k, v and y are (..., H, T, D), already rotated by
-        ``rotary`` (from :meth:`rotary`) when given, and y is rotated back by it. Returns the
-        final hidden states after ``ln_f``, (..., T, C).
+        ``rotary`` (from :meth:`rotary`) when given, and y is rotated back by it. Layer i's QKV
+        projection is written into ``qkv_out[i]`` ((n_layer, ..., T, 3C), contiguous) when it is
+        given. Returns the final hidden states after ``ln_f``, (..., T, C).
         """
         for i, block in enumerate(self.h):
-            q, k, v = block.attn.qkv(block.ln_1(x), rotary)
+            q, k, v = block.attn.qkv(block.ln_1(x), rotary, None if qkv_out is None else qkv_out[i])
             x = x + block.attn.project(attend(i, q, k, v), rotary)
             x = block.feed_forward(x)
         return self.ln_f(x)

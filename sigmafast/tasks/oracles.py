@@ -78,7 +78,7 @@ class OracleSession:
     def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> Verified:
         """Step k of order o conditions on the known tokens and drafts at steps < k."""
         p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts)
-        return Verified(orders, None, self.oracle._to_logits(p), (), ())
+        return Verified(orders, None, self.oracle._to_logits(p), None, None)
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:
         """Nothing to do: the conditionals read the canvas, which the sampler already updated."""
