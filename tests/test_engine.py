@@ -209,3 +209,33 @@ def test_padded_lm_head_gives_the_same_steps(model, backend):
     for o_got, o_want in zip(got, want):
         for a, b in zip(o_got, o_want):
             assert torch.equal(a, b)
+
+
+def test_verify_keys_from_the_shared_projection_buffer_match_the_per_layer_keys(model):
+    """Eager verify (no autograd) writes every layer's QKV projection into one buffer and returns its keys
+    and values as (n_layer, B, O, H, R, D) views of it; with autograd it stacks the per-layer tensors.
+    Both must hold the same keys, values and hidden states, and commit must fill the same cache."""
+    B, O, R = 3, 4, T
+    canvas = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(5))
+    known = torch.rand(B, T, generator=torch.Generator().manual_seed(6)) < 0.4
+    orders = torch.rand(B, O, T, generator=torch.Generator().manual_seed(7)).argsort(-1)[..., :R]
+    drafts = torch.randint(0, VOCAB, (B, O, R), generator=torch.Generator().manual_seed(8))
+    choice, n = torch.tensor([2, 0, 3]), torch.tensor([3, 0, 1])
+    got = []
+    for grad in (False, True):
+        session = NeuralSession(model, B, T, "reference")
+        with torch.set_grad_enabled(grad):
+            session.prefill(canvas, known)
+            verified = session.verify(orders, drafts)
+            session.commit(verified, choice, n)
+        got.append((verified, session.cache.k.detach(), session.cache.v.detach(), session.cache.lens))
+    (fast, k_fast, v_fast, lens_fast), (slow, k_slow, v_slow, lens_slow) = got
+    L, H, D = model.config.n_layer, model.config.n_head, model.config.head_dim
+    assert fast.keys.shape == (L, B, O, H, R, D) and slow.keys.shape == fast.keys.shape
+    assert fast.keys._base is not None and slow.keys._base is None  # a view of the buffer; a stack
+    torch.testing.assert_close(fast.keys, slow.keys.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(fast.values, slow.values.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(fast.hidden, slow.hidden.detach(), rtol=0, atol=0)
+    assert torch.equal(lens_fast, lens_slow) and lens_fast.sum() > known.sum()
+    torch.testing.assert_close(k_fast, k_slow, rtol=0, atol=0)
+    torch.testing.assert_close(v_fast, v_slow, rtol=0, atol=0)
