@@ -148,24 +148,26 @@ class NeuralSession:
         in_pos = torch.cat([self.last_pos[:, None, None].expand(B, O, 1), orders[..., :-1]], dim=-1)
         x = model.embed(tokens, in_pos, orders)  # (B, O, R, C)
         rotary = model.rotary(in_pos, orders)
+        # eager (CUDA graphs): every layer's projection in one buffer, so that commit gathers all layers' keys
+        # and values in one op (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
+        # not under autograd, nor traced (functionalised, each write copies the buffer), nor with rotated keys
+        shared = rotary is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         keys, values = [], []
 
         def attend(i, q, k, v):  # (B, O, H, R, D)
-            keys.append(k)
-            values.append(v)
+            if not shared:
+                keys.append(k)
+                values.append(v)
             k_cache, v_cache = cache.layer(i)
             return kernels.verify_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        if rotary is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # eager (CUDA graphs): every layer's projection in one buffer, so that commit gathers all layers'
-            # keys and values in one op (a stack of 5-d tensors is one copy kernel per layer on CUDA). An
-            # out= matmul: not under autograd, nor traced (functionalised, each write copies the buffer).
+        if shared:
             C, H = x.shape[-1], model.config.n_head
             qkv = x.new_empty(model.config.n_layer, B, O, R, 3 * C)
             hidden = model.run_layers(x, attend, None, qkv_out=qkv)
             kv = qkv[..., C:].unflatten(-1, (2, H, C // H)).permute(4, 0, 1, 2, 5, 3, 6)  # (2, L, B, O, H, R, D)
             return Verified(orders, hidden, None, kv[0], kv[1])
-        hidden = model.run_layers(x, attend, rotary)  # rotated keys: new tensors per layer
+        hidden = model.run_layers(x, attend, rotary)  # the per-layer keys and values, stacked once
         return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:
