@@ -99,7 +99,8 @@ def _sample_rows(
     o_b = c_tok[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (BLOCK_N, BLOCK_V) window offsets
     o_v, m_w, m_v = window_masks(o_b, shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
     if RESIDUAL:
-        b_q, b_p = residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK)
+        b_q, b_p = residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, False, kq, kp, lse_q, lse_p,
+                                  temperature, HAS_TOPK)  # a chunk per row: never uniformly interior
         b_w = tl.where(empty[:, None], b_q, tl.maximum(b_q - b_p, 0.0))
         b_x = b_q
     else:

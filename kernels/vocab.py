@@ -217,11 +217,8 @@ def _residual_mass_kernel(
         kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
     o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    interior = is_interior(c, V, BLOCK_V, ALIGN)
-    b_q = exp_ftz(chunk_load(QL + o_base[:, None], o_b, shift, end, m_n, V, interior, kq, temperature, HAS_TOPK)
-                  - lse_q[:, None])
-    b_p = exp_ftz(chunk_load(PL + o_base[:, None], o_b, shift, end, m_n, V, interior, kp, temperature, HAS_TOPK)
-                  - lse_p[:, None])
+    b_q, b_p = residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, is_interior(c, V, BLOCK_V, ALIGN), kq, kp,
+                              lse_q, lse_p, temperature, HAS_TOPK)
     o_p = o_n64 * NC + c
     tl.store(RM + o_p, tl.sum(tl.maximum(b_q - b_p, 0.0), 1), mask=m_n)
     tl.store(QM + o_p, tl.sum(b_q, 1), mask=m_n)
@@ -237,10 +234,14 @@ def residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD: tl.constexpr):
 
 
 @triton.jit
-def residual_probs(QL, PL, o_base, o_b, m_w, m_v, kq, kp, lse_q, lse_p, temperature, HAS_TOPK: tl.constexpr):
-    """(BLOCK_N, BLOCK_V) processed probabilities q and p at window offsets o_b (0 where masked)."""
-    b_q = exp_ftz(window_load(QL + o_base[:, None], o_b, m_w, m_v, kq, temperature, HAS_TOPK) - lse_q[:, None])
-    b_p = exp_ftz(window_load(PL + o_base[:, None], o_b, m_w, m_v, kp, temperature, HAS_TOPK) - lse_p[:, None])
+def residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, interior, kq, kp, lse_q, lse_p, temperature,
+                   HAS_TOPK: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) processed probabilities q and p at window offsets o_b (0 where masked); the mass
+    and the sampling kernels both compute them here, so they see bit-identical q and p."""
+    b_q = exp_ftz(chunk_load(QL + o_base[:, None], o_b, shift, end, m_n, V, interior, kq, temperature, HAS_TOPK)
+                  - lse_q[:, None])
+    b_p = exp_ftz(chunk_load(PL + o_base[:, None], o_b, shift, end, m_n, V, interior, kp, temperature, HAS_TOPK)
+                  - lse_p[:, None])
     return b_q, b_p
 
 
