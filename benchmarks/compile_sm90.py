@@ -74,7 +74,7 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import accept, attention, sampling, topk
+    from sigmafast.kernels import accept, attention, commit_step, sampling, topk
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -104,6 +104,21 @@ def _cases(dtype: torch.dtype):
     yield "top-k threshold (radix select)", lambda: topk.kth_largest(x, 50)
     yield "fused LM head log q", lambda: accept.lm_head_logq(h, w, d, 1.0)
     yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
+    for D in (64, 128):
+        yield f"commit D={D}", lambda D=D: _commit(commit_step, dtype, D, g)
+
+
+def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None:
+    """One commit of a verification over 5 orders (keys as views of the shared QKV projection buffer)."""
+    nl, B, O, H, R, T = 12, 2, 5, 12, 16, 1024
+    qkv = torch.randn(nl, B, O, R, 3 * H * D, generator=g).to(dtype)
+    kv = qkv[..., H * D:].unflatten(-1, (2, H, D)).permute(4, 0, 1, 2, 5, 3, 6)
+    cache = torch.zeros(nl, B, H, T + 1, D, dtype=dtype)
+    commit_step.launch(torch.rand(B, O, T, generator=g).argsort(-1)[..., :R], torch.tensor([1, 4]),
+                       torch.tensor([3, 16]), torch.zeros(B, R, dtype=torch.long), kv[0], kv[1],
+                       torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool),
+                       torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), cache, cache.clone(),
+                       torch.tensor([5, 700]))
 
 
 def compile_all(dtype_names) -> tuple[list, list]:

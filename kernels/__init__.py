@@ -118,6 +118,14 @@ def _sampling():
     return sampling
 
 
+def _commit():
+    try:
+        from . import commit_step
+    except ImportError as e:
+        raise _no_triton(e) from e
+    return commit_step
+
+
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
     """(B, H, R, D) queries over ``cache[:cache_lens]`` plus their own key; see the reference."""
     if _resolve(backend, q) == "triton":
@@ -178,6 +186,17 @@ def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *
     return reference.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
 
 
+def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
+           backend: Optional[str] = None) -> None:
+    """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's canvas and KV cache, in place;
+    see the reference."""
+    state = dict(canvas=canvas, known=known, last_tok=last_tok, last_pos=last_pos, k_cache=k_cache,
+                 v_cache=v_cache, lens=lens)
+    if _resolve(backend, k_cache) == "triton":
+        return _commit().commit(orders, choice, n, tokens, keys, values, **state)
+    return reference.commit(orders, choice, n, tokens, keys, values, **state)
+
+
 __all__ = [
     "Acceptance",
     "BACKENDS",
@@ -185,6 +204,7 @@ __all__ = [
     "acceptance_from_hidden",
     "backend_for",
     "burst_attention",
+    "commit",
     "residual_sample",
     "sample",
     "use_backend",

@@ -10,9 +10,12 @@ op                                 inputs -> outputs
 ``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,) -> as ``draft_logq``
 ``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, log-probs (N,)
 ``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
+``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
+                                   canvas, known, last token/position, KV caches and lens
 =================================  ==========================================================
 
-Every op is functional: it returns new tensors and mutates none of its inputs.
+Every op but ``commit`` is functional: it returns new tensors and mutates none of its inputs.
+``commit`` declares the session buffers it writes in place (``mutates_args``).
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -28,6 +31,7 @@ from torch import Tensor
 
 from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
+from .commit_step import launch as commit_launch
 from .sampling import launch
 
 
@@ -99,4 +103,16 @@ def _(q_logits, p_logits, uniforms, temperature, top_k=None, block_v=None):
     return q_logits.new_empty(q_logits.shape[0], dtype=torch.int64)
 
 
-OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample")
+@torch.library.custom_op("sigmafast::commit",
+                         mutates_args=("canvas", "known", "last_tok", "last_pos", "k_cache", "v_cache", "lens"))
+def _commit(orders: Tensor, choice: Tensor, n: Tensor, tokens: Tensor, keys: Tensor, values: Tensor, canvas: Tensor,
+            known: Tensor, last_tok: Tensor, last_pos: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor) -> None:
+    commit_launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens)
+
+
+@_commit.register_fake
+def _(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens):
+    return None
+
+
+OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample", "commit")

@@ -176,3 +176,55 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
     n_accept = prefix.sum(-1)  # (B, O)
     best = n_accept.argmax(-1)
     return Acceptance(logq, ok, n_accept, best, n_accept.clone())
+
+
+def chosen_order(orders: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """(B, O, R) orders and (B,) choices -> (B, R) the chosen order of each row."""
+    B, O, R = orders.shape
+    if O == 1:
+        return orders[:, 0]
+    return orders.gather(1, choice[:, None, None].expand(B, 1, R)).squeeze(1)
+
+
+def write_tokens(canvas, known, chosen, n, tokens) -> None:
+    """Write ``tokens[b, :n[b]]`` at the positions ``chosen[b, :n[b]]`` (B, R) of canvas and mark them known."""
+    take = torch.arange(chosen.shape[1], device=n.device)[None, :] < n[:, None]  # (B, R)
+    canvas.scatter_(1, chosen, torch.where(take, tokens, canvas.gather(1, chosen)))
+    known.scatter_(1, chosen, take | known.gather(1, chosen))
+
+
+def append_kv(k_cache, v_cache, lens, k_new, v_new, n) -> None:
+    """Append rows ``r < n[b]`` of k_new, v_new (n_layer, B, H, R, D) after each row's ``lens[b]`` in the
+    (n_layer, B, H, L + 1, D) caches; the other rows go to the scratch slot L. Advances ``lens``."""
+    L, B, H, R, D = k_new.shape
+    max_len = k_cache.shape[3] - 1
+    steps = torch.arange(R, device=n.device)
+    dest = torch.where(steps[None, :] < n[:, None], lens[:, None] + steps[None, :], max_len)  # (B, R)
+    index = dest[None, :, None, :, None].expand(L, B, H, R, D)
+    k_cache.scatter_(3, index, k_new.to(k_cache.dtype))
+    v_cache.scatter_(3, index, v_new.to(v_cache.dtype))
+    lens += n
+
+
+def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache,
+           lens) -> None:
+    """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
+
+    orders: (B, O, R) positions; choice, n: (B,) (0 <= n <= R); tokens: (B, R), the chosen order's
+    tokens by step; keys, values: (n_layer, B, O, H, R, D) the verification's inputs. Writes the tokens
+    into canvas (B, T) and known, the keys and values after ``lens`` into the caches (n_layer, B, H,
+    L + 1, D), advances ``lens`` and sets last_tok, last_pos (B,) to step ``n[b] - 1`` where n[b] > 0.
+    """
+    B, O, R = orders.shape
+    chosen = chosen_order(orders, choice)  # (B, R)
+    write_tokens(canvas, known, chosen, n, tokens)
+    if O == 1:
+        k, v = keys[:, :, 0], values[:, :, 0]  # (n_layer, B, H, R, D) views
+    else:
+        rows = torch.arange(B, device=orders.device)
+        k, v = keys[:, rows, choice], values[:, rows, choice]  # one gather for every layer
+    append_kv(k_cache, v_cache, lens, k, v, n)
+    last = (n - 1).clamp_min(0)[:, None]
+    moved = n > 0
+    last_pos.copy_(torch.where(moved, chosen.gather(1, last).squeeze(1), last_pos))
+    last_tok.copy_(torch.where(moved, tokens.gather(1, last).squeeze(1), last_tok))

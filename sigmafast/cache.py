@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from . import kernels
+
 
 class KVCache(nn.Module):
     """Keys and values of every processed input, per layer, row and head.
@@ -36,13 +38,7 @@ class KVCache(nn.Module):
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, n: torch.Tensor) -> None:
         """Append entries ``r < n[b]`` of k_new, v_new (n_layer, B, H, R, D) after each row's ``lens[b]``."""
-        L, B, H, R, D = k_new.shape
-        steps = torch.arange(R, device=n.device)
-        dest = torch.where(steps[None, :] < n[:, None], self.lens[:, None] + steps[None, :], self.max_len)  # (B, R)
-        index = dest[None, :, None, :, None].expand(L, B, H, R, D)
-        self.k.scatter_(3, index, k_new.to(self.k.dtype))
-        self.v.scatter_(3, index, v_new.to(self.v.dtype))
-        self.lens += n
+        kernels.reference.append_kv(self.k, self.v, self.lens, k_new, v_new, n)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given batch rows (B',), in that order (a gather of the buffers)."""

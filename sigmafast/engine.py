@@ -12,8 +12,9 @@ kept aside: every next conditional feeds it with the wanted ``out_pos``
 - :meth:`NeuralSession.verify` is one forward over O orders at once, causal
   within each order, all orders sharing the cached prefix. It returns a
   :class:`Verified` handle holding every layer's keys and values.
-- :meth:`NeuralSession.commit` takes that handle and appends the chosen
-  order's first ``n`` inputs' keys and values (never recomputed).
+- :meth:`NeuralSession.commit` takes that handle and the chosen order's
+  tokens, writes the first ``n`` into the canvas and appends their inputs'
+  keys and values (never recomputed).
 
 A session owns static buffers: the (B, T) canvas and known mask, the
 full-length :class:`~sigmafast.cache.KVCache` and the last token; every update
@@ -114,8 +115,9 @@ class NeuralSession:
         m = int(n_known.max())  # the prefill's one host read
         if m > 0:
             order = (~self.known).to(torch.int8).argsort(dim=1, stable=True)[:, :m]  # (B, m) known first
-            verified = self.verify(order[:, None], self.canvas.gather(1, order)[:, None])
-            self.commit(verified, torch.zeros_like(n_known), n_known)
+            tokens = self.canvas.gather(1, order)  # (B, m)
+            verified = self.verify(order[:, None], tokens[:, None])
+            self.commit(verified, torch.zeros_like(n_known), n_known, tokens)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (B',) of the batch (drops the static buffers: never under a graph)."""
@@ -170,19 +172,12 @@ class NeuralSession:
         hidden = model.run_layers(x, attend, rotary)  # the per-layer keys and values, stacked once
         return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
-    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:
-        """Append the first ``n[b]`` inputs of order ``choice[b]`` of ``verified``; the token at that
-        order's step ``n[b] - 1`` (read from the updated canvas) becomes the last token."""
-        orders = verified.orders
-        B, O = orders.shape[:2]
-        rows = torch.arange(B, device=orders.device)
-        if O == 1:  # one order (autoregressive, prefill, lossless): views, no gather
-            k, v = verified.keys[:, :, 0], verified.values[:, :, 0]  # (n_layer, B, H, R, D)
-        else:  # one gather for every layer
-            k, v = verified.keys[:, rows, choice], verified.values[:, rows, choice]
-        self.cache.append(k, v, n)
-        chosen = orders[rows, choice]  # (B, R)
-        pos = chosen.gather(1, (n - 1).clamp_min(0)[:, None]).squeeze(1)
-        moved = n > 0
-        self.last_pos.copy_(torch.where(moved, pos, self.last_pos))
-        self.last_tok.copy_(torch.where(moved, self.canvas.gather(1, pos[:, None]).squeeze(1), self.last_tok))
+    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Keep the first ``n[b]`` steps of order ``choice[b]`` of ``verified``: write their tokens
+        ``tokens[b, :n[b]]`` (B, R) into the canvas, append their inputs' keys and values (never
+        recomputed) and make step ``n[b] - 1`` the last token. One fused op on the Triton path (two
+        kernels instead of about 30 small ones); the reference under autograd and ``torch.compile``."""
+        traced = torch.is_grad_enabled() or torch.compiler.is_compiling()
+        kernels.commit(verified.orders, choice, n, tokens, verified.keys, verified.values, canvas=self.canvas,
+                       known=self.known, last_tok=self.last_tok, last_pos=self.last_pos, k_cache=self.cache.k,
+                       v_cache=self.cache.v, lens=self.cache.lens, backend="reference" if traced else self.backend)

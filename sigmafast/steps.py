@@ -15,7 +15,7 @@ finished or padding rows, are handled by masks:
   padded step is never accepted and never committed.
 
 The burst iteration is ``draft`` → ``verify`` → ``accept`` → (``residual``) →
-``commit``. See :mod:`sigmafast.sampler` for the randomness protocol.
+``commit`` (the session's: it writes the canvas and the KV cache). See :mod:`sigmafast.sampler` for the randomness protocol.
 """
 
 from __future__ import annotations
@@ -125,18 +125,6 @@ def residual(session, verified: Verified, drafts: Drafts, choice: torch.Tensor, 
     return tok, n < remaining
 
 
-def commit(session, verified: Verified, choice: torch.Tensor, n: torch.Tensor, new_tok: torch.Tensor) -> None:
-    """Write the first ``n[b]`` tokens ``new_tok`` (B, R) of order ``choice[b]`` and append their inputs."""
-    rows = torch.arange(n.shape[0], device=n.device)
-    R = verified.orders.shape[-1]
-    chosen = verified.orders[rows, choice]  # (B, R)
-    take = torch.arange(R, device=n.device)[None, :] < n[:, None]  # (B, R)
-    canvas, known = session.canvas, session.known
-    canvas.scatter_(1, chosen, torch.where(take, new_tok, canvas.gather(1, chosen)))
-    known.scatter_(1, chosen, take | known.gather(1, chosen))
-    session.commit(verified, choice, n)
-
-
 def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Optional[int],
                rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One burst iteration over the whole batch, in place.
@@ -166,7 +154,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
         at_k = torch.arange(R, device=n.device)[None, :] == n.clamp(max=R - 1)[:, None]
         new_tok = torch.where(at_k & rejected[:, None], r_tok[:, None], new_tok)
         n_commit = n + rejected.long()
-    commit(session, verified, choice, n_commit, new_tok)
+    session.commit(verified, choice, n_commit, new_tok)
     left = remaining - n_commit
     return n_commit, n, torch.stack([left.max(), (left > 0).sum(), bad.long()])
 
@@ -178,9 +166,12 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     active = plan.steps > plan.step  # (B,)
     j = plan.visit.gather(1, (plan.n_known + plan.step).clamp(max=T - 1)[:, None])  # (B, 1)
     verified = session.verify(j[:, None], canvas.gather(1, j)[:, None])  # feeds the last token only
-    first = torch.zeros(B, dtype=torch.long, device=canvas.device)  # the only order, its only step
-    logits = verifier_logits(session, verified, torch.arange(B, device=canvas.device), first, first)  # (B, V)
+    if verified.hidden is not None:  # (B, V) logits of the only order's only step: no gather
+        logits = session.head(verified.hidden[:, 0, 0])
+    else:
+        logits = verified.logits[:, 0, 0]
+    first = torch.zeros(B, dtype=torch.long, device=canvas.device)  # the only order
     tok, _ = kernels.sample(logits, plan.u.gather(1, j).squeeze(1), temperature, top_k, backend=_backend(session))
-    commit(session, verified, first, active.long(), tok[:, None])
+    session.commit(verified, first, active.long(), tok[:, None])
     plan.nonfinite.logical_or_(nonfinite(logits, active))
     plan.step.add_(1)

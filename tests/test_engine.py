@@ -227,7 +227,7 @@ def test_verify_keys_from_the_shared_projection_buffer_match_the_per_layer_keys(
         with torch.set_grad_enabled(grad):
             session.prefill(canvas, known)
             verified = session.verify(orders, drafts)
-            session.commit(verified, choice, n)
+            session.commit(verified, choice, n, drafts[torch.arange(B), choice])
         got.append((verified, session.cache.k.detach(), session.cache.v.detach(), session.cache.lens))
     (fast, k_fast, v_fast, lens_fast), (slow, k_slow, v_slow, lens_slow) = got
     L, H, D = model.config.n_layer, model.config.n_head, model.config.head_dim
@@ -239,3 +239,31 @@ def test_verify_keys_from_the_shared_projection_buffer_match_the_per_layer_keys(
     assert torch.equal(lens_fast, lens_slow) and lens_fast.sum() > known.sum()
     torch.testing.assert_close(k_fast, k_slow, rtol=0, atol=0)
     torch.testing.assert_close(v_fast, v_slow, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_orders", [1, 4])
+def test_triton_commit_leaves_the_session_as_the_reference_commit(model, num_orders):
+    """One verification committed twice from the same prefilled state, by the fused Triton op (eager, no
+    autograd) and by the reference: canvas, mask, last token, lengths and cache must be identical."""
+    B, R = 3, T
+    canvas = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(5))
+    known = torch.rand(B, T, generator=torch.Generator().manual_seed(6)) < 0.4
+    orders = torch.rand(B, num_orders, T, generator=torch.Generator().manual_seed(7)).argsort(-1)[..., :R]
+    drafts = torch.randint(0, VOCAB, (B, num_orders, R), generator=torch.Generator().manual_seed(8))
+    choice = torch.tensor([num_orders - 1, 0, num_orders // 2])
+    n = torch.tensor([3, 0, 1])
+    sessions = []
+    with torch.no_grad():
+        for backend in ("reference", "triton"):
+            session = NeuralSession(model, B, T, "reference")
+            session.prefill(canvas, known)
+            verified = session.verify(orders, drafts)
+            session.backend = backend
+            session.commit(verified, choice, n, drafts[torch.arange(B), choice])
+            sessions.append(session)
+    want, got = sessions
+    for name in ("canvas", "known", "last_tok", "last_pos"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.cache.lens, want.cache.lens) and got.cache.lens.sum() > known.sum()
+    for name in ("k", "v"):  # the scratch slot T excluded: the reference parks the rejected steps there
+        assert torch.equal(getattr(got.cache, name)[..., :T, :], getattr(want.cache, name)[..., :T, :]), name

@@ -158,6 +158,17 @@ def test_explicit_backend_argument(name, monkeypatch):
             call(backend=bad)
 
 
+def _commit_sample(g: torch.Generator) -> tuple:
+    """Arguments of ``sigmafast::commit``: 2 rows, 3 orders of 4 steps, a 2-layer cache of 10 + 1 slots."""
+    B, O, R, T, D = 2, 3, 4, 10, 16
+    qkv = torch.randn(2, B, O, R, 3 * 2 * D, generator=g)  # (n_layer, B, O, R, 3C), H = 2
+    kv = qkv[..., 2 * D:].unflatten(-1, (2, 2, D)).permute(4, 0, 1, 2, 5, 3, 6)
+    return _dev(torch.rand(B, O, T, generator=g).argsort(-1)[..., :R], torch.tensor([2, 0]), torch.tensor([4, 1]),
+                torch.randint(0, 9, (B, R), generator=g), kv[0], kv[1], torch.zeros(B, T, dtype=torch.long),
+                torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
+                torch.zeros(2, B, 2, T + 1, D), torch.zeros(2, B, 2, T + 1, D), torch.tensor([0, 6]))
+
+
 def test_kernels_are_custom_ops():
     from sigmafast.kernels import ops
 
@@ -178,6 +189,7 @@ def test_kernels_are_custom_ops():
         "lm_head_logq": (hidden, weight, drafts, 0.0),
         "sample": (logits, u, 1.0, None, None),
         "residual_sample": (logits, logits.flip(0), u, 0.7, 2, 8),
+        "commit": _commit_sample(g),
     }
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
         torch.library.opcheck(getattr(torch.ops.sigmafast, name).default, args,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..engine import Verified
 
 NEG_INF = float("-inf")
@@ -80,8 +81,10 @@ class OracleSession:
         p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts)
         return Verified(orders, None, self.oracle._to_logits(p), None, None)
 
-    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor) -> None:
-        """Nothing to do: the conditionals read the canvas, which the sampler already updated."""
+    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Write the first ``n[b]`` tokens (B, R) of order ``choice[b]``: the conditionals read the canvas."""
+        chosen = kernels.reference.chosen_order(verified.orders, choice)
+        kernels.reference.write_tokens(self.canvas, self.known, chosen, n, tokens)
 
 
 class ProductOracle(Oracle):

@@ -1,0 +1,188 @@
+"""Triton commit: append the chosen order's accepted inputs to the KV cache and the canvas in two kernels.
+
+After a verification over O orders, row b keeps the first ``n[b]`` steps of
+order ``choice[b]``. In plain PyTorch that is about 30 small ops (one gather
+of the chosen keys and values per tensor, the cache destinations, two
+scatters into the cache, the canvas and known-mask scatters, the new last
+token and position); on a GPU each is a kernel launch, and a CUDA-graph replay
+of an autoregressive GPT-2 step had about 90 such bookkeeping kernels beside
+its 120 layer kernels (benchmarks/RESULTS.md). Here:
+
+* ``_commit_kv_kernel``, grid (B·H, n_layer): copies the ``n[b]`` accepted
+  key and value rows of order ``choice[b]`` straight from the verification's
+  (n_layer, B, O, H, R, D) keys (any strides: views of the shared QKV
+  projection buffer) to ``cache[lens[b]:lens[b] + n[b]]``, BLOCK_R rows at a
+  time, looping only over the accepted rows;
+* ``_commit_state_kernel``, grid (B,): writes the accepted tokens into the
+  canvas at the chosen positions, marks them known, moves the last token and
+  position to step ``n[b] - 1`` (unchanged when ``n[b] == 0``) and advances
+  ``lens``. It runs second: the first kernel reads the old ``lens``.
+
+Unlike the reference, the kernels write nothing for the steps past ``n[b]``
+(the reference sends them to the cache's scratch slot, which nobody reads).
+Compiles once per dtype and head dim: sizes and strides are in
+``do_not_specialize``; ``STRIDE_UNIT`` (16 when every stride allows it) keeps
+the head-dim rows' loads vectorised, as in :mod:`.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import check_int, in_units, strides
+
+BLOCK_R = 16  # accepted rows per loop step of the KV copy
+STATE_BLOCK = 64  # steps per loop step of the canvas writes
+
+_KV_STRIDES = [f"s_{t}{d}" for t in "kv" for d in "lboh"] + ["s_kr", "s_vr"] + [f"s_c{d}" for d in "lbhs"]
+
+
+@triton.jit(do_not_specialize=_KV_STRIDES + ["H", "R", "max_len"],
+            do_not_specialize_on_alignment=["CHOICE", "N", "LENS"])
+def _commit_kv_kernel(
+    K, V, KC, VC, CHOICE, N, LENS,
+    s_kl, s_kb, s_ko, s_kh, s_vl, s_vb, s_vo, s_vh, s_kr, s_vr, s_cl, s_cb, s_ch, s_cs,
+    H, R, max_len,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    i_l = tl.program_id(1).to(tl.int64)
+    i_b = (pid_bh // H).to(tl.int64)
+    i_h = (pid_bh % H).to(tl.int64)
+    i_o = tl.load(CHOICE + i_b).to(tl.int64)
+    n = tl.minimum(tl.load(N + i_b).to(tl.int64), R)
+    start = tl.load(LENS + i_b).to(tl.int64)
+
+    # strides come in units of STRIDE_UNIT elements (see utils); the head-dim stride is 1
+    s_kl, s_kb, s_ko, s_kh, s_kr = s_kl * STRIDE_UNIT, s_kb * STRIDE_UNIT, s_ko * STRIDE_UNIT, s_kh * STRIDE_UNIT, \
+        s_kr * STRIDE_UNIT
+    s_vl, s_vb, s_vo, s_vh, s_vr = s_vl * STRIDE_UNIT, s_vb * STRIDE_UNIT, s_vo * STRIDE_UNIT, s_vh * STRIDE_UNIT, \
+        s_vr * STRIDE_UNIT
+    s_cl, s_cb, s_ch, s_cs = s_cl * STRIDE_UNIT, s_cb * STRIDE_UNIT, s_ch * STRIDE_UNIT, s_cs * STRIDE_UNIT
+
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    p_k = K + i_l * s_kl + i_b * s_kb + i_o * s_ko + i_h * s_kh
+    p_v = V + i_l * s_vl + i_b * s_vb + i_o * s_vo + i_h * s_vh
+    c_off = i_l * s_cl + i_b * s_cb + i_h * s_ch + start * s_cs
+    for r0 in range(0, n, BLOCK):
+        o_r = r0 + tl.arange(0, BLOCK).to(tl.int64)
+        m = ((o_r < n) & (start + o_r < max_len))[:, None] & m_d[None, :]
+        b_k = tl.load(p_k + o_r[:, None] * s_kr + o_d[None, :], mask=m)
+        b_v = tl.load(p_v + o_r[:, None] * s_vr + o_d[None, :], mask=m)
+        o_c = c_off + o_r[:, None] * s_cs + o_d[None, :]
+        tl.store(KC + o_c, b_k.to(KC.dtype.element_ty), mask=m)
+        tl.store(VC + o_c, b_v.to(VC.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_cb", "s_mb", "R"],
+            do_not_specialize_on_alignment=["ORDERS", "CHOICE", "N", "TOKENS", "LAST_TOK", "LAST_POS", "LENS"])
+def _commit_state_kernel(
+    ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS,
+    s_ob, s_oo, s_tb, s_cb, s_mb, R,
+    BLOCK: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_o = tl.load(CHOICE + i_b).to(tl.int64)
+    n = tl.minimum(tl.load(N + i_b).to(tl.int64), R)
+    p_o = ORDERS + i_b * s_ob + i_o * s_oo  # the chosen order's positions (inner stride 1)
+    p_t = TOKENS + i_b * s_tb
+    for r0 in range(0, n, BLOCK):
+        o_r = r0 + tl.arange(0, BLOCK).to(tl.int64)
+        m_r = o_r < n
+        b_pos = tl.load(p_o + o_r, mask=m_r, other=0).to(tl.int64)
+        b_tok = tl.load(p_t + o_r, mask=m_r)
+        tl.store(CANVAS + i_b * s_cb + b_pos, b_tok, mask=m_r)
+        tl.store(KNOWN + i_b * s_mb + b_pos, tl.full((BLOCK,), 1, tl.uint8), mask=m_r)
+    moved = n > 0
+    last = tl.maximum(n - 1, 0)
+    tl.store(LAST_POS + i_b, tl.load(p_o + last), mask=moved)
+    tl.store(LAST_TOK + i_b, tl.load(p_t + last), mask=moved)
+    tl.store(LENS + i_b, tl.load(LENS + i_b) + n)
+
+
+def _kv_unit(*stride_values: int) -> int:
+    return 16 if all(s % 16 == 0 for s in stride_values) else 1
+
+
+def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens):
+    """Launch both kernels (no input checks; see :func:`commit`)."""
+    B, O, R = orders.shape
+    n_layer, _, H, L1, D = k_cache.shape
+    keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, values))
+    if n_layer * B * H * R > 0:
+        sk, sv, sc = strides(keys), strides(values), strides(k_cache)
+        kv_strides = (*sk[:4], *sv[:4], sk[4], sv[4], *sc[:4])
+        unit = _kv_unit(*kv_strides)
+        _commit_kv_kernel[(B * H, n_layer)](
+            keys, values, k_cache, v_cache, choice, n, lens, *in_units(unit, *kv_strides), H, R, L1 - 1,
+            D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=BLOCK_R, STRIDE_UNIT=unit, num_warps=1,
+        )
+    orders = orders if orders.stride(-1) == 1 else orders.contiguous()
+    tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()
+    if B * R > 0:
+        mask = known.view(torch.uint8)
+        _commit_state_kernel[(B,)](
+            orders, choice, n, tokens, canvas, mask, last_tok, last_pos, lens,
+            *strides(orders)[:2], strides(tokens)[0], strides(canvas)[0], strides(mask)[0], R,
+            BLOCK=STATE_BLOCK, num_warps=1,
+        )
+
+
+def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens):
+    """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
+
+    orders: (B, O, R) int64 positions; choice, n: (B,) int64 (0 <= n <= R); tokens: (B, R) int64, the
+    chosen order's tokens by step; keys, values: (n_layer, B, O, H, R, D); canvas: (B, T) int64;
+    known: (B, T) bool; last_tok, last_pos, lens: (B,) int64; k_cache, v_cache: (n_layer, B, H, L + 1, D),
+    valid up to ``lens``, with a scratch slot L. Every size and stride is checked; the values are not
+    (no host read): ``lens[b] + n[b] <= L`` is the caller's contract.
+    """
+    if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
+        raise ValueError(f"orders must be a (B, O, R) tensor, got {getattr(orders, 'shape', type(orders))}")
+    B, O, R = orders.shape
+    device = orders.device
+    for name, t, shape in (("orders", orders, (B, O, R)), ("choice", choice, (B,)), ("n", n, (B,)),
+                           ("tokens", tokens, (B, R)), ("last_tok", last_tok, (B,)), ("last_pos", last_pos, (B,)),
+                           ("lens", lens, (B,))):
+        check_int(name, t, shape, device)
+    for name, t in (("orders", orders), ("tokens", tokens), ("last_tok", last_tok), ("last_pos", last_pos),
+                    ("lens", lens)):
+        if t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {t.dtype}")
+    if not isinstance(canvas, torch.Tensor) or canvas.dtype != torch.int64 or canvas.ndim != 2 \
+            or canvas.shape[0] != B or canvas.device != device:
+        raise ValueError(f"canvas must be an int64 (B={B}, T) tensor on {device}, got {_describe(canvas)}")
+    if not isinstance(known, torch.Tensor) or known.dtype != torch.bool or known.shape != canvas.shape \
+            or known.device != device:
+        raise ValueError(f"known must be a bool tensor of the canvas's shape {tuple(canvas.shape)}, "
+                         f"got {_describe(known)}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.ndim != 5 or k_cache.shape[1] != B \
+            or k_cache.device != device:
+        raise ValueError(f"k_cache must be an (n_layer, B={B}, H, L + 1, D) tensor on {device}, "
+                         f"got {_describe(k_cache)}")
+    n_layer, _, H, _, D = k_cache.shape
+    if not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype \
+            or v_cache.device != device:
+        raise ValueError(f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}), got "
+                         f"{_describe(v_cache)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache and v_cache must share strides with a unit last one (written in place), got "
+                         f"{k_cache.stride()} and {v_cache.stride()}")
+    want = (n_layer, B, O, H, R, D)
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point() \
+                or t.device != device:
+            raise ValueError(f"{name} must be a float tensor of shape {want} on {device}, got {_describe(t)}")
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
+    torch.ops.sigmafast.commit(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos,
+                               k_cache, v_cache, lens)
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}"

@@ -1,0 +1,144 @@
+"""Triton commit (kernels/commit_step.py) against kernels/reference.py.
+
+Both write a session's buffers in place, so each case builds one random state
+(canvas, known mask, last token and position, caches holding NaN past the
+valid lengths, lens) and two copies of it, commits with each implementation,
+and compares every buffer exactly: the commit only moves values. The caches'
+scratch slot (where the reference sends the rejected steps) is excluded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import triton_device
+from sigmafast.kernels import commit_step
+from sigmafast.kernels import reference as ref
+
+DEVICE = triton_device()
+T = 40  # canvas length; caches hold T + 1 slots
+
+# (n_layer, B, O, H, R, D, lens kind, n kind, keys layout)
+CASES = [
+    (1, 1, 1, 1, 1, 16, "empty", "all", "contiguous"),  # one step, empty cache
+    (2, 3, 1, 2, 1, 16, "ragged", "mixed", "contiguous"),  # autoregressive: n in {0, 1}
+    (2, 3, 5, 4, 17, 64, "ragged", "mixed", "shared"),  # several orders, odd R
+    (3, 2, 4, 2, 33, 24, "ragged", "all", "shared"),  # non-power-of-two head dim, n > BLOCK_R
+    (1, 4, 3, 3, 16, 32, "full", "mixed", "contiguous"),  # lens + n reaches the cache end
+    (2, 2, 2, 2, 8, 16, "ragged", "none", "shared"),  # nothing accepted
+]
+
+
+def _ids(case) -> str:
+    nl, B, O, H, R, D, lens, n, layout = case
+    return f"L{nl}-B{B}-O{O}-H{H}-R{R}-D{D}-{lens}-n_{n}-{layout}"
+
+
+def _state(case, seed: int, dtype: torch.dtype):
+    nl, B, O, H, R, D, lens_kind, n_kind, layout = case
+    g = torch.Generator().manual_seed(seed)
+    if lens_kind == "empty":
+        lens = torch.zeros(B, dtype=torch.long)
+    elif lens_kind == "full":
+        lens = torch.full((B,), T - R, dtype=torch.long)
+    else:
+        lens = torch.randint(0, T - R + 1, (B,), generator=g)
+        lens[0] = 0
+    if n_kind == "all":
+        n = torch.full((B,), R, dtype=torch.long)
+    elif n_kind == "none":
+        n = torch.zeros(B, dtype=torch.long)
+    else:
+        n = torch.randint(0, R + 1, (B,), generator=g)
+        n[0], n[-1] = 0, R
+    orders = torch.rand(B, O, T, generator=g).argsort(-1)[..., :R]  # (B, O, R) a view: inner stride 1
+    choice = torch.randint(0, O, (B,), generator=g)
+    tokens = torch.randint(0, 1000, (B, R), generator=g)
+    if layout == "shared":  # views of an (n_layer, B, O, R, 3C) projection buffer, as NeuralSession.verify makes
+        qkv = torch.randn(nl, B, O, R, 3 * H * D, generator=g).to(dtype)
+        kv = qkv[..., H * D:].unflatten(-1, (2, H, D)).permute(4, 0, 1, 2, 5, 3, 6)
+        keys, values = kv[0], kv[1]
+    else:
+        keys, values = (torch.randn(nl, B, O, H, R, D, generator=g).to(dtype) for _ in range(2))
+    slot = torch.arange(T + 1)[None, None, None, :, None]
+    caches = []
+    for _ in range(2):
+        c = torch.randn(nl, B, H, T + 1, D, generator=g).to(dtype)
+        caches.append(c.masked_fill(slot >= lens[None, :, None, None, None], float("nan")))
+    state = dict(canvas=torch.randint(0, 1000, (B, T), generator=g), known=torch.rand(B, T, generator=g) < 0.3,
+                 last_tok=torch.randint(0, 1000, (B,), generator=g), last_pos=torch.randint(0, T, (B,), generator=g),
+                 k_cache=caches[0], v_cache=caches[1], lens=lens)
+    args = (orders, choice, n, tokens, keys, values)
+    return tuple(t.to(DEVICE) for t in args), {k: t.to(DEVICE) for k, t in state.items()}
+
+
+def _copy(state: dict) -> dict:
+    return {k: t.clone() for k, t in state.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_commit_matches_reference(case, dtype):
+    for seed in range(2):
+        args, state = _state(case, seed, dtype)
+        before = _copy(state)
+        want, got = _copy(state), _copy(state)
+        ref.commit(*args, **want)
+        commit_step.commit(*args, **got)
+        for name in ("canvas", "known", "last_tok", "last_pos", "lens"):
+            assert torch.equal(got[name].cpu(), want[name].cpu()), name
+        for name in ("k_cache", "v_cache"):  # NaN past the lengths must stay where nothing was written
+            torch.testing.assert_close(got[name][..., :T, :].cpu(), want[name][..., :T, :].cpu(), rtol=0, atol=0,
+                                       equal_nan=True, msg=name)
+        n = args[2]
+        assert torch.equal(got["lens"], before["lens"] + n)
+        moved = n > 0
+        assert torch.equal(got["last_tok"][~moved], before["last_tok"][~moved])
+
+
+def test_commit_writes_the_chosen_rows_where_the_reference_says():
+    """An independent check of the reference itself on a hand-made case: row 0 keeps 2 steps of order 1,
+    row 1 none."""
+    nl, B, O, H, R, D = 1, 2, 2, 1, 3, 16
+    orders = torch.tensor([[[0, 1, 2], [4, 2, 3]], [[1, 0, 2], [3, 4, 0]]])
+    keys = torch.arange(nl * B * O * H * R * D, dtype=torch.float32).view(nl, B, O, H, R, D)
+    state = dict(canvas=torch.zeros(B, 5, dtype=torch.long), known=torch.zeros(B, 5, dtype=torch.bool),
+                 last_tok=torch.tensor([7, 8]), last_pos=torch.tensor([9, 9]),
+                 k_cache=torch.zeros(nl, B, H, 6, D), v_cache=torch.zeros(nl, B, H, 6, D), lens=torch.tensor([1, 2]))
+    for impl in (ref.commit, commit_step.commit):
+        s = _copy(state)
+        impl(orders, torch.tensor([1, 0]), torch.tensor([2, 0]), torch.tensor([[11, 12, 13], [14, 15, 16]]),
+             keys, -keys, **s)
+        assert s["canvas"].tolist() == [[0, 0, 12, 0, 11], [0, 0, 0, 0, 0]]
+        assert s["known"].tolist() == [[False, False, True, False, True], [False] * 5]
+        assert s["last_tok"].tolist() == [12, 8] and s["last_pos"].tolist() == [2, 9]
+        assert s["lens"].tolist() == [3, 2]
+        assert torch.equal(s["k_cache"][0, 0, 0, 1:3], keys[0, 0, 1, 0, :2])
+        assert torch.equal(s["v_cache"][0, 0, 0, 1:3], -keys[0, 0, 1, 0, :2])
+        assert s["k_cache"][0, 0, 0, 0].eq(0).all() and s["k_cache"][0, 1, :, :5].eq(0).all()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(choice=torch.zeros(3, dtype=torch.long)), "choice must be"),
+    (dict(n=torch.zeros(2)), "n must be"),
+    (dict(tokens=torch.zeros(2, 4, dtype=torch.long)), "tokens must be"),
+    (dict(canvas=torch.zeros(2, 9, dtype=torch.int32)), "canvas must be"),
+    (dict(known=torch.zeros(2, 9)), "known must be"),
+    (dict(keys=torch.zeros(1, 2, 2, 1, 4, 8)), "keys must be"),
+    (dict(v_cache=torch.zeros(1, 2, 1, 16, 10).transpose(-1, -2)), "k_cache and v_cache"),
+    (dict(last_pos=torch.zeros(2, dtype=torch.int32)), "last_pos must be int64"),
+])
+def test_commit_rejects_bad_inputs(bad, match):
+    B, O, R, D, T_ = 2, 2, 3, 16, 9
+    args = dict(orders=torch.zeros(B, O, R, dtype=torch.long), choice=torch.zeros(B, dtype=torch.long),
+                n=torch.ones(B, dtype=torch.long), tokens=torch.zeros(B, R, dtype=torch.long),
+                keys=torch.zeros(1, B, O, 1, R, D), values=torch.zeros(1, B, O, 1, R, D))
+    state = dict(canvas=torch.zeros(B, T_, dtype=torch.long), known=torch.zeros(B, T_, dtype=torch.bool),
+                 last_tok=torch.zeros(B, dtype=torch.long), last_pos=torch.zeros(B, dtype=torch.long),
+                 k_cache=torch.zeros(1, B, 1, T_ + 1, D), v_cache=torch.zeros(1, B, 1, T_ + 1, D),
+                 lens=torch.zeros(B, dtype=torch.long))
+    for k, v in bad.items():
+        (args if k in args else state)[k] = v
+    with pytest.raises(ValueError, match=match):
+        commit_step.commit(*args.values(), **state)
