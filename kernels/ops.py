@@ -8,7 +8,7 @@ op                                 inputs -> outputs
 ``sigmafast::verify_attention``    q, k, v (B, O, H, R, D), caches, lens -> like q
 ``sigmafast::draft_logq``          logits (N, V), drafts (N,) -> (N,) float32 log q (int64 argmax at T=0)
 ``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,) -> as ``draft_logq``
-``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, log-probs (N,)
+``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, float32 log-probs (N,)
 ``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
                                    canvas, known, last token/position, KV caches and lens
@@ -89,7 +89,7 @@ def _sample(logits: Tensor, uniforms: Tensor, temperature: float, top_k: Optiona
 @_sample.register_fake
 def _(logits, uniforms, temperature, top_k=None, block_v=None):
     N = logits.shape[0]
-    return logits.new_empty(N, dtype=torch.int64), logits.new_empty(N)
+    return logits.new_empty(N, dtype=torch.int64), logits.new_empty(N, dtype=torch.float32)
 
 
 @torch.library.custom_op("sigmafast::residual_sample", mutates_args=())

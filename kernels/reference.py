@@ -95,12 +95,19 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(token, last_nonzero)
 
 
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """16-bit logits as float32: probabilities are compared in float32 at least (as the kernels do)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse CDF.
 
     logits: (N, V); uniforms: (N,) in [0, 1). Returns tokens (N,) int64 and
-    their log-probabilities (N,) under the processed distribution.
+    their log-probabilities (N,) under the processed distribution, in float32
+    for 16-bit logits (computed from their float32 values), else the logits' dtype.
     """
+    logits = upcast(logits)
     if temperature == 0:
         return logits.argmax(-1), torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
     logp = log_probs(logits, temperature, top_k)
@@ -113,8 +120,9 @@ def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None) -
 
     q_logits, p_logits: (N, V); uniforms: (N,). Rows whose residual is all zero
     (q == p) sample from q. Greedy (temperature 0) returns argmax q.
-    Returns (N,) int64 tokens.
+    Returns (N,) int64 tokens. 16-bit logits are read as float32.
     """
+    q_logits, p_logits = upcast(q_logits), upcast(p_logits)
     if temperature == 0:
         return q_logits.argmax(-1)
     q = log_probs(q_logits, temperature, top_k).exp()

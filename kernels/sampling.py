@@ -160,7 +160,7 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
     N, V = q_logits.shape
     residual = p_logits is not None
     if temperature == 0:
-        return q_logits.argmax(-1), None if residual else q_logits.new_zeros(N)
+        return q_logits.argmax(-1), None if residual else q_logits.new_zeros(N, dtype=torch.float32)
     cfg = split_config(V, q_logits.dtype, block_v)
     q_logits = aligned_rows(q_logits, cfg.unit)
     if residual:  # q and p rows share one stride (and so one chunk geometry)
@@ -170,7 +170,7 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
     kq = threshold(q_logits, top_k, block_v)
     kp = threshold(p_logits, top_k, block_v) if residual else None
     tokens = torch.empty(N, dtype=torch.int64, device=q_logits.device)
-    logp = None if residual else torch.empty(N, dtype=q_logits.dtype, device=q_logits.device)
+    logp = None if residual else torch.empty(N, dtype=torch.float32, device=q_logits.device)
     if N == 0:
         return tokens, logp
     u = uniforms.float().contiguous()
@@ -210,9 +210,10 @@ def sample(
     """Sample one token per row by inverse CDF.
 
     logits: (N, V) float32/float16/bfloat16; uniforms: (N,) in [0, 1).
-    Returns tokens (N,) int64 and their log-probabilities (N,) (logits' dtype)
-    under the processed distribution; temperature 0 is greedy (first argmax,
-    log-prob 0). ``block_v`` (a power of two) overrides the vocabulary chunk.
+    Returns tokens (N,) int64 and their log-probabilities (N,) in float32 (the
+    kernels compute in float32 whatever the logits' dtype) under the processed
+    distribution; temperature 0 is greedy (first argmax, log-prob 0).
+    ``block_v`` (a power of two) overrides the vocabulary chunk.
     """
     _check_args(logits, uniforms, temperature, top_k, block_v)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)

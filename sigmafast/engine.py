@@ -35,11 +35,6 @@ from .cache import KVCache
 HEAD_ALIGN = 64  # on CUDA the LM head's output rows are padded to a multiple of this many logits
 
 
-def float_logits(logits: torch.Tensor) -> torch.Tensor:
-    """16-bit logits as float32 (sampling and acceptance compare probabilities in float32 at least)."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
 class Verified(NamedTuple):
     """What :meth:`NeuralSession.verify` computed, for acceptance and :meth:`NeuralSession.commit`."""
 
@@ -139,15 +134,18 @@ class NeuralSession:
         return self.head(model.run_layers(x, attend, model.rotary(in_pos, positions)))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., C) final hidden states -> (..., V) logits (float32 for 16-bit models)."""
-        return float_logits(F.linear(h, self.head_weight)[..., : self.vocab_size])
+        """(..., C) final hidden states -> (..., V) logits in the model's dtype (a view of the padded
+        head's rows on CUDA). The samplers read 16-bit logits as float32 themselves: no float32 copy."""
+        return F.linear(h, self.head_weight)[..., : self.vocab_size]
 
     def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> Verified:
         """Feed ``[last, drafts[:-1]]`` along each of the (B, O, R) orders, causal within each order."""
         B, O, R = orders.shape
         model, cache = self.model, self.cache
-        tokens = torch.cat([self.last_tok[:, None, None].expand(B, O, 1), drafts[..., :-1]], dim=-1)
-        in_pos = torch.cat([self.last_pos[:, None, None].expand(B, O, 1), orders[..., :-1]], dim=-1)
+        tokens, in_pos = self.last_tok[:, None, None].expand(B, O, 1), self.last_pos[:, None, None].expand(B, O, 1)
+        if R > 1:  # (one step, autoregressive: the last token alone, no copy)
+            tokens = torch.cat([tokens, drafts[..., :-1]], dim=-1)
+            in_pos = torch.cat([in_pos, orders[..., :-1]], dim=-1)
         x = model.embed(tokens, in_pos, orders)  # (B, O, R, C)
         rotary = model.rotary(in_pos, orders)
         # eager (CUDA graphs): every layer's projection in one buffer, so that commit gathers all layers' keys

@@ -57,6 +57,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import kernels
 from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
                       nonfinite, nonfinite_error, prepare)
@@ -290,7 +291,7 @@ def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.
         logits = session.draft(positions) if T > 0 else None  # (B, T, V)
         if logits is not None and bool(nonfinite(logits, ~req.known)):
             raise nonfinite_error("logits")
-        p = torch.softmax(logits, dim=-1) if logits is not None else None
+        p = torch.softmax(kernels.reference.upcast(logits), dim=-1) if logits is not None else None  # fp32 at least
     V = conds.vocab_size
     one_hot = torch.nn.functional.one_hot(req.canvas, V).to(p.dtype if p is not None else torch.float32)
     return one_hot if p is None else torch.where(req.known[..., None], one_hot, p)
