@@ -74,7 +74,7 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import accept, attention, commit_step, sampling, topk
+    from sigmafast.kernels import accept, attention, commit_step, layer_norm, sampling, topk
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -106,6 +106,11 @@ def _cases(dtype: torch.dtype):
     yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
     for D in (64, 128):
         yield f"commit D={D}", lambda D=D: _commit(commit_step, dtype, D, g)
+    for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
+        xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
+        w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
+        yield f"add + LayerNorm C={C}", lambda xs=xs, w=w, b=b: layer_norm.launch(*xs, w, b, 1e-5)
+        yield f"add + scalar-gain norm C={C}", lambda xs=xs, w=w: layer_norm.launch(*xs, w[:1].expand(C), None, 1e-5)
 
 
 def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None:

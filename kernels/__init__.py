@@ -118,6 +118,14 @@ def _sampling():
     return sampling
 
 
+def _layer_norm():
+    try:
+        from . import layer_norm
+    except ImportError as e:
+        raise _no_triton(e) from e
+    return layer_norm
+
+
 def _commit():
     try:
         from . import commit_step
@@ -186,6 +194,14 @@ def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *
     return reference.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
 
 
+def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[str] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``x + y`` and its LayerNorm, (..., C) each; see the reference."""
+    if _resolve(backend, x) == "triton":
+        return _layer_norm().add_layer_norm(x, y, weight, bias, eps)
+    return reference.add_layer_norm(x, y, weight, bias, eps)
+
+
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
            backend: Optional[str] = None) -> None:
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's canvas and KV cache, in place;
@@ -202,6 +218,7 @@ __all__ = [
     "BACKENDS",
     "acceptance",
     "acceptance_from_hidden",
+    "add_layer_norm",
     "backend_for",
     "burst_attention",
     "commit",

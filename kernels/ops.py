@@ -10,6 +10,7 @@ op                                 inputs -> outputs
 ``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,) -> as ``draft_logq``
 ``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, float32 log-probs (N,)
 ``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
+``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
                                    canvas, known, last token/position, KV caches and lens
 =================================  ==========================================================
@@ -32,6 +33,7 @@ from torch import Tensor
 from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .commit_step import launch as commit_launch
+from .layer_norm import launch as add_layer_norm_launch
 from .sampling import launch
 
 
@@ -103,6 +105,17 @@ def _(q_logits, p_logits, uniforms, temperature, top_k=None, block_v=None):
     return q_logits.new_empty(q_logits.shape[0], dtype=torch.int64)
 
 
+@torch.library.custom_op("sigmafast::add_layer_norm", mutates_args=())
+def _add_layer_norm(x: Tensor, y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                    eps: float) -> tuple[Tensor, Tensor]:
+    return add_layer_norm_launch(x, y, weight, bias, eps)
+
+
+@_add_layer_norm.register_fake
+def _(x, y, weight, bias, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
 @torch.library.custom_op("sigmafast::commit",
                          mutates_args=("canvas", "known", "last_tok", "last_pos", "k_cache", "v_cache", "lens"))
 def _commit(orders: Tensor, choice: Tensor, n: Tensor, tokens: Tensor, keys: Tensor, values: Tensor, canvas: Tensor,
@@ -115,4 +128,5 @@ def _(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos
     return None
 
 
-OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample", "commit")
+OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
+       "add_layer_norm", "commit")

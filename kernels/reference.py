@@ -20,6 +20,7 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 RULES = ("paper", "lossless")
 
@@ -236,3 +237,9 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     moved = n > 0
     last_pos.copy_(torch.where(moved, chosen.gather(1, last).squeeze(1), last_pos))
     last_tok.copy_(torch.where(moved, tokens.gather(1, last).squeeze(1), last_tok))
+
+
+def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + y`` and ``F.layer_norm(s, (C,), weight, bias, eps)``, both (..., C) like x."""
+    s = x + y
+    return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)

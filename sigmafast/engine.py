@@ -26,13 +26,26 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from . import kernels
 from .cache import KVCache
+from .model import ScalarGainNorm, add_norm
 
 
 HEAD_ALIGN = 64  # on CUDA the LM head's output rows are padded to a multiple of this many logits
+
+
+def fused_add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.add_norm`` as one Triton kernel (``kernels.add_layer_norm``) for the model's norms: a
+    LayerNorm over the last dimension, or a ScalarGainNorm (its gain as a stride-0 weight)."""
+    C = x.shape[-1]
+    if isinstance(norm, nn.LayerNorm) and tuple(norm.normalized_shape) == (C,):
+        return kernels.add_layer_norm(x, y, norm.weight, norm.bias, norm.eps, backend="triton")
+    if isinstance(norm, ScalarGainNorm):
+        return kernels.add_layer_norm(x, y, norm.weight.expand(C), None, 1e-5, backend="triton")
+    return add_norm(x, y, norm)
 
 
 class Verified(NamedTuple):
@@ -131,7 +144,12 @@ class NeuralSession:
             k_cache, v_cache = cache.layer(i)
             return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        return self.head(model.run_layers(x, attend, model.rotary(in_pos, positions)))
+        return self.head(model.run_layers(x, attend, model.rotary(in_pos, positions), add_norm_fn=self._add_norm()))
+
+    def _add_norm(self):
+        """The residual add + norm of this step: fused on the Triton path when nothing traces it."""
+        traced = torch.is_grad_enabled() or torch.compiler.is_compiling()
+        return fused_add_norm if self.backend == "triton" and not traced else add_norm
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits in the model's dtype (a view of the padded
@@ -164,10 +182,10 @@ class NeuralSession:
         if shared:
             C, H = x.shape[-1], model.config.n_head
             qkv = x.new_empty(model.config.n_layer, B, O, R, 3 * C)
-            hidden = model.run_layers(x, attend, None, qkv_out=qkv)
+            hidden = model.run_layers(x, attend, None, qkv_out=qkv, add_norm_fn=self._add_norm())
             kv = qkv[..., C:].unflatten(-1, (2, H, C // H)).permute(4, 0, 1, 2, 5, 3, 6)  # (2, L, B, O, H, R, D)
             return Verified(orders, hidden, None, kv[0], kv[1])
-        hidden = model.run_layers(x, attend, rotary)  # the per-layer keys and values, stacked once
+        hidden = model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm())  # keys and values stacked once
         return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -237,6 +237,13 @@ class ScalarGainNorm(nn.Module):
 
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AddNormFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], tuple[torch.Tensor, torch.Tensor]]
+
+
+def add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``x + y`` and ``norm`` of it (the unfused :class:`AddNormFn`)."""
+    s = x + y
+    return s, norm(s)
 
 
 class SigmaGPT(nn.Module):
@@ -321,19 +328,26 @@ class SigmaGPT(nn.Module):
         return Rotary(*angles, values=self.config.rotary_values)
 
     def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None,
-                   qkv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   qkv_out: Optional[torch.Tensor] = None, add_norm_fn: AddNormFn = add_norm) -> torch.Tensor:
         """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
 
         x is (..., T, C); q, k, v and y are (..., H, T, D), already rotated by
         ``rotary`` (from :meth:`rotary`) when given, and y is rotated back by it. Layer i's QKV
         projection is written into ``qkv_out[i]`` ((n_layer, ..., T, 3C), contiguous) when it is
-        given. Returns the final hidden states after ``ln_f``, (..., T, C).
+        given. Each residual update and the norm that follows it (the next block's ``ln_1``, the
+        MLP's ``ln_2``, or ``ln_f`` after the last) go through ``add_norm_fn(x, update, norm)``, which
+        may fuse them. Returns the final hidden states after ``ln_f``, (..., T, C).
         """
+        norms = [block.ln_1 for block in self.h[1:]] + [self.ln_f]  # the norm after each block
+        h = self.h[0].ln_1(x)
         for i, block in enumerate(self.h):
-            q, k, v = block.attn.qkv(block.ln_1(x), rotary, None if qkv_out is None else qkv_out[i])
-            x = x + block.attn.project(attend(i, q, k, v), rotary)
-            x = block.feed_forward(x)
-        return self.ln_f(x)
+            q, k, v = block.attn.qkv(h, rotary, None if qkv_out is None else qkv_out[i])
+            update = block.attn.project(attend(i, q, k, v), rotary)
+            if block.has_mlp:
+                x, h = add_norm_fn(x, update, block.ln_2)
+                update = block.mlp(h)
+            x, h = add_norm_fn(x, update, norms[i])
+        return h
 
     def check_inputs(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> None:
         for name, t in (("tokens", tokens), ("in_pos", in_pos), ("out_pos", out_pos)):
