@@ -338,15 +338,15 @@ class SigmaGPT(nn.Module):
         MLP's ``ln_2``, or ``ln_f`` after the last) go through ``add_norm_fn(x, update, norm)``, which
         may fuse them. Returns the final hidden states after ``ln_f``, (..., T, C).
         """
-        norms = [block.ln_1 for block in self.h[1:]] + [self.ln_f]  # the norm after each block
-        h = self.h[0].ln_1(x)
-        for i, block in enumerate(self.h):
+        blocks = list(self.h)
+        h = blocks[0].ln_1(x)
+        for i, block in enumerate(blocks):
             q, k, v = block.attn.qkv(h, rotary, None if qkv_out is None else qkv_out[i])
             update = block.attn.project(attend(i, q, k, v), rotary)
             if block.has_mlp:
                 x, h = add_norm_fn(x, update, block.ln_2)
                 update = block.mlp(h)
-            x, h = add_norm_fn(x, update, norms[i])
+            x, h = add_norm_fn(x, update, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f)
         return h
 
     def check_inputs(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> None:
