@@ -74,7 +74,7 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import accept, attention, commit_step, layer_norm, sampling, topk
+    from sigmafast.kernels import accept, attention, commit_step, decide, layer_norm, sampling, topk
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -106,6 +106,12 @@ def _cases(dtype: torch.dtype):
     yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
     for D in (64, 128):
         yield f"commit D={D}", lambda D=D: _commit(commit_step, dtype, D, g)
+    ratio, lens = torch.rand(8, 5, 256, generator=g), torch.tensor([256, 3, 0, 100, 256, 17, 1, 255])
+    u64, toks = torch.rand(8, 5, 256, generator=g, dtype=torch.float64), torch.randint(0, V, (8, 5, 256), generator=g)
+    for greedy in (False, True):
+        for paper in (True, False):
+            yield (f"decide greedy={greedy} paper={paper}",
+                   lambda gr=greedy, pa=paper: decide.launch(toks if gr else ratio, toks, u64, lens, gr, pa))
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

@@ -2,8 +2,8 @@
 
     python benchmarks/step_ops.py [--shape gpt2] [--rule paper] [--by-line]
 
-Runs one eager step of a random-weight model (float32, vocabulary 512, canvas
-64) through the engine with bucketed shapes, as a CUDA-graph capture would,
+Runs one eager step of a random-weight model (float32, vocabulary 512 unless
+``--vocab``, canvas 64) through the engine with bucketed shapes, as a CUDA-graph capture would,
 and counts the ATen ops and ``sigmafast::`` custom ops it dispatches
 (``TorchDispatchMode``), leaving out views and allocations, which launch no
 kernel. On CUDA each counted ATen op is at least one kernel and each custom op
@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--rule", default="paper", choices=["paper", "lossless"])
     parser.add_argument("--orders", type=int, default=5, help="burst: orders (1 for lossless)")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=512,
+                        help="vocabulary size (GPT-2's 50257 is slow in the interpreter)")
     parser.add_argument("--by-line", action="store_true", help="group the ops by the source line that issued them")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -76,7 +78,7 @@ def main() -> None:
         parser.error(f"--shape must be one of {sorted(sigmafast.PRESETS)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    config = sigmafast.SigmaGPTConfig.from_preset(args.shape, vocab_size=512, block_size=64)
+    config = sigmafast.SigmaGPTConfig.from_preset(args.shape, vocab_size=args.vocab, block_size=64)
     model = sigmafast.SigmaGPT(config).to(device).eval()
     engine = sigmafast.Engine(model, buckets=True, cuda_graphs=False)
     B, T, left = args.batch, config.block_size, 40

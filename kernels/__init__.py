@@ -6,12 +6,15 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 ``kernels`` module, which would collide with an unrelated PyPI package.
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
-and one Triton implementation (``attention``, ``accept``, ``sampling``; the
-module names differ from the functions' so that importing a module never
-rebinds a public name of this package), registered as PyTorch custom ops
-``torch.ops.sigmafast.*`` by ``ops`` so that ``torch.compile`` traces through
-them. ``acceptance_from_hidden`` is an extra: acceptance straight from hidden
-states and the LM-head weight. The functions below pick one per call:
+and one Triton implementation (``attention``, ``accept`` with ``decide``,
+``sampling``, ``layer_norm``, ``commit_step``; the module names differ from the
+functions' so that importing a module never rebinds a public name of this
+package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
+so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
+extra: acceptance straight from hidden states and the LM-head weight;
+``add_layer_norm`` and ``commit`` fuse a step's small ops (a residual add and
+its LayerNorm; the cache and canvas writes of a commit). The functions below
+pick one per call:
 
 * ``backend="triton"`` or ``"reference"`` (keyword) is used as is; pass it in
   compiled code, where the environment and context reads below are not

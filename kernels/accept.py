@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import RULES, Acceptance, decide
+from .decide import decide
+from .reference import RULES, Acceptance
 from .topk import threshold
 from .utils import check_block_v, check_float, online_lse, row_stride, rows_ready, vocab_config
 from .vocab import aligned_rows, chunk_stats, row_masses, row_window, split_config, window_load, window_masks
@@ -283,11 +284,12 @@ def acceptance_from_hidden(
     rows, flat_drafts = hidden.reshape(B * O * R, C), drafts.reshape(-1)
     if scoring == "matmul" or (top_k is not None and top_k < V and not greedy):
         step = max(1, CHUNK_ELEMENTS // max(V, 1))
-        res = torch.cat([
+        parts = [
             torch.ops.sigmafast.draft_logq((rows[i: i + step] @ weight.T)[:, :V], flat_drafts[i: i + step],
                                            float(temperature), None if greedy else top_k, None)
             for i in range(0, max(B * O * R, 1), step)
-        ])[: B * O * R]
+        ]
+        res = (parts[0] if len(parts) == 1 else torch.cat(parts))[: B * O * R]
     else:
         res = torch.ops.sigmafast.lm_head_logq(rows, weight[:V], flat_drafts, float(temperature))
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(hidden.dtype))

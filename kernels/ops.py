@@ -10,6 +10,8 @@ op                                 inputs -> outputs
 ``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,) -> as ``draft_logq``
 ``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, float32 log-probs (N,)
 ``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
+``sigmafast::decide``              q/p ratios (or argmax), drafts, uniforms (B, O, R), lengths (B,)
+                                   -> accept (B, O, R), n_accept, first_reject (B, O), best (B,)
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
                                    canvas, known, last token/position, KV caches and lens
@@ -33,6 +35,7 @@ from torch import Tensor
 from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .commit_step import launch as commit_launch
+from .decide import launch as decide_launch
 from .layer_norm import launch as add_layer_norm_launch
 from .sampling import launch
 
@@ -105,6 +108,19 @@ def _(q_logits, p_logits, uniforms, temperature, top_k=None, block_v=None):
     return q_logits.new_empty(q_logits.shape[0], dtype=torch.int64)
 
 
+@torch.library.custom_op("sigmafast::decide", mutates_args=())
+def _decide(test: Tensor, drafts: Tensor, uniforms: Tensor, lengths: Tensor, greedy: bool,
+            paper: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return decide_launch(test, drafts, uniforms, lengths, greedy, paper)
+
+
+@_decide.register_fake
+def _(test, drafts, uniforms, lengths, greedy, paper):
+    B, O, R = drafts.shape
+    return (drafts.new_empty((B, O, R), dtype=torch.bool), drafts.new_empty((B, O), dtype=torch.int64),
+            drafts.new_empty((B, O), dtype=torch.int64), drafts.new_empty((B,), dtype=torch.int64))
+
+
 @torch.library.custom_op("sigmafast::add_layer_norm", mutates_args=())
 def _add_layer_norm(x: Tensor, y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                     eps: float) -> tuple[Tensor, Tensor]:
@@ -129,4 +145,4 @@ def _(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos
 
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "add_layer_norm", "commit")
+       "decide", "add_layer_norm", "commit")

@@ -190,6 +190,10 @@ def test_kernels_are_custom_ops():
         "sample": (logits, u, 1.0, None, None),
         "residual_sample": (logits, logits.flip(0), u, 0.7, 2, 8),
         "commit": _commit_sample(g),
+        "add_layer_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g),
+                                 torch.rand(16, generator=g), torch.randn(16, generator=g)), 1e-5),
+        "decide": (*_dev(torch.rand(2, 3, 5, generator=g) * 2, torch.zeros(2, 3, 5, dtype=torch.long),
+                         torch.rand(2, 3, 5, generator=g, dtype=torch.float64), torch.tensor([5, 2])), False, True),
     }
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
         torch.library.opcheck(getattr(torch.ops.sigmafast, name).default, args,
