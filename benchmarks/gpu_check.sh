@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: the CUDA tests, the engine and kernel benchmarks, a step profile.
+# One call on a lent GPU: the CUDA tests, the fused step kernels' tests compiled, the engine and kernel
+# benchmarks, a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
 # GPU_PARTS (the parts to run, in order; engine-ar and engine-burst split the engine selection in two, each
@@ -23,9 +24,11 @@ run() {  # name, limit in seconds, command...
     tail -n "${GPU_TAIL:-12}" "$OUT/$name.log"
 }
 BENCH=(--benchmark-only -q -p no:cacheprovider --benchmark-columns=median,rounds)
-for part in ${GPU_PARTS:-tests engine kernels profile inductor}; do
+for part in ${GPU_PARTS:-tests fused engine kernels profile inductor}; do
     case $part in
     tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
+    fused) run fused "${GPU_FUSED_LIMIT:-60}" python -m pytest tests/test_kernels_commit.py \
+        tests/test_kernels_layer_norm.py tests/test_kernels_decide.py -q -p no:cacheprovider -rs ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/engine.json" -k "${GPU_ENGINE_K:-not inductor}" ;;
     engine-ar) run engine-ar "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \

@@ -15,7 +15,8 @@ finished or padding rows, are handled by masks:
   padded step is never accepted and never committed.
 
 The burst iteration is ``draft`` → ``verify`` → ``accept`` → (``residual``) →
-``commit`` (the session's: it writes the canvas and the KV cache). See :mod:`sigmafast.sampler` for the randomness protocol.
+``commit`` (the session's: it writes the canvas and the KV cache). See
+:mod:`sigmafast.sampler` for the randomness protocol.
 """
 
 from __future__ import annotations

@@ -106,10 +106,11 @@ def test_commit_writes_the_chosen_rows_where_the_reference_says():
     state = dict(canvas=torch.zeros(B, 5, dtype=torch.long), known=torch.zeros(B, 5, dtype=torch.bool),
                  last_tok=torch.tensor([7, 8]), last_pos=torch.tensor([9, 9]),
                  k_cache=torch.zeros(nl, B, H, 6, D), v_cache=torch.zeros(nl, B, H, 6, D), lens=torch.tensor([1, 2]))
+    args = (orders, torch.tensor([1, 0]), torch.tensor([2, 0]), torch.tensor([[11, 12, 13], [14, 15, 16]]), keys, -keys)
     for impl in (ref.commit, commit_step.commit):
-        s = _copy(state)
-        impl(orders, torch.tensor([1, 0]), torch.tensor([2, 0]), torch.tensor([[11, 12, 13], [14, 15, 16]]),
-             keys, -keys, **s)
+        s = {k: t.clone().to(DEVICE) for k, t in state.items()}
+        impl(*(t.to(DEVICE) for t in args), **s)
+        s = {k: t.cpu() for k, t in s.items()}
         assert s["canvas"].tolist() == [[0, 0, 12, 0, 11], [0, 0, 0, 0, 0]]
         assert s["known"].tolist() == [[False, False, True, False, True], [False] * 5]
         assert s["last_tok"].tolist() == [12, 8] and s["last_pos"].tolist() == [2, 9]
