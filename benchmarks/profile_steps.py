@@ -64,9 +64,7 @@ def main() -> None:
 
         n_known = known.sum(1)
         visit = (~known).to(torch.int8).argsort(dim=1, stable=True)
-        plan = steps.ARPlan(visit, draw(g, (B, T), device), n_known, T - n_known,
-                            torch.zeros((), dtype=torch.long, device=device),
-                            torch.zeros((), dtype=torch.bool, device=device))
+        plan = steps.ar_plan(visit, draw(g, (B, T), device), n_known)
         session = engine.start(canvas, known)
         for _ in range(2):
             engine.ar(session, plan, 1.0, None)

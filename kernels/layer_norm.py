@@ -14,9 +14,12 @@ mean, then the variance of the centred values (two passes over registers, no
 cancellation). ``weight`` may be a stride-0 expansion (one gain for every
 channel, as ``ScalarGainNorm``); ``bias`` may be absent.
 
-Compiles once per dtype and width: BLOCK_C = next power of two >= C and the
-rows per program depend on C only; the row count and strides are in
-``do_not_specialize``.
+Compiles once per dtype and width (and per affine layout: with or without a
+bias): BLOCK_C = next power of two >= C and the rows per program depend on C
+only; the row count and strides are in ``do_not_specialize``, the row strides
+in units of ``STRIDE_UNIT`` (16 when C and the inputs' row strides allow it,
+as in :mod:`.attention`) so that the rows' loads stay vectorised. The outputs
+are contiguous.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from .utils import check_float, check_same
 MAX_WIDTH = 16384
 
 
-@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_s", "s_h", "s_w"])
+@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w"])
 def _add_layer_norm_kernel(
     X, Y, W, B, S, H,
-    N, s_x, s_y, s_s, s_h, s_w, eps,
+    N, s_x, s_y, s_w, eps,
     C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr,
 ):
+    s_x, s_y = s_x * STRIDE_UNIT, s_y * STRIDE_UNIT  # in units of STRIDE_UNIT elements (see utils)
     pid = tl.program_id(0)
     o_n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C)
@@ -46,7 +51,7 @@ def _add_layer_norm_kernel(
     b_x = tl.load(X + o_n[:, None] * s_x + o_c[None, :], mask=m, other=0.0)
     b_y = tl.load(Y + o_n[:, None] * s_y + o_c[None, :], mask=m, other=0.0)
     b_s = (b_x.to(tl.float32) + b_y.to(tl.float32)).to(S.dtype.element_ty)  # the eager add's rounding
-    tl.store(S + o_n[:, None] * s_s + o_c[None, :], b_s, mask=m)
+    tl.store(S + o_n[:, None] * C + o_c[None, :], b_s, mask=m)
     b_v = b_s.to(tl.float32)
     mean = tl.sum(b_v, 1) / C
     b_d = tl.where(m_c[None, :], b_v - mean[:, None], 0.0)
@@ -56,7 +61,7 @@ def _add_layer_norm_kernel(
         b_h = b_h * tl.load(W + o_c.to(tl.int64) * s_w, mask=m_c, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         b_h = b_h + tl.load(B + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    tl.store(H + o_n[:, None] * s_h + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
+    tl.store(H + o_n[:, None] * C + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
 
 
 def config(C: int) -> tuple[int, int, int]:
@@ -83,12 +88,12 @@ def launch(x, y, weight, bias, eps):
         return s, h
     s2, h2 = s.view(N, C), h.view(N, C)
     block_n, block_c, num_warps = config(C)
-    w = weight if weight is not None else x2  # unused
+    unit = 16 if C % 16 == 0 and x2.stride(0) % 16 == 0 and y2.stride(0) % 16 == 0 else 1
     _add_layer_norm_kernel[(triton.cdiv(N, block_n),)](
-        x2, y2, w, bias if bias is not None else x2, s2, h2,
-        N, x2.stride(0), y2.stride(0), C, C, weight.stride(0) if weight is not None else 0, float(eps),
+        x2, y2, weight if weight is not None else x2, bias if bias is not None else x2, s2, h2,
+        N, x2.stride(0) // unit, y2.stride(0) // unit, weight.stride(0) if weight is not None else 0, float(eps),
         C=C, BLOCK_N=block_n, BLOCK_C=block_c, HAS_W=weight is not None, HAS_B=bias is not None,
-        num_warps=num_warps,
+        STRIDE_UNIT=unit, num_warps=num_warps,
     )
     return s, h
 

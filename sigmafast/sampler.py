@@ -62,7 +62,7 @@ from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
                       nonfinite, nonfinite_error, prepare)
 from .runner import Engine, runner_for
-from .steps import ARPlan
+from .steps import ARPlan, ar_plan
 
 __all__ = ["generate", "warmup", "conditional_density", "log_likelihood", "SampleStats"]
 
@@ -178,13 +178,7 @@ def _autoregressive(runner, session, req, canvas, known, on_iteration):
     n_known = known.sum(1)
     todo = T - n_known  # (B,)
     n_steps = int(todo.max())  # the loop's one host read
-    size = session.batch_size
-    plan = ARPlan(
-        _pad_rows(visit, None, size), _pad_rows(u, None, size), _pad_rows(n_known, None, size),
-        _pad_rows(todo, None, size), torch.zeros((), dtype=torch.long, device=device),
-        torch.zeros((), dtype=torch.bool, device=device),
-    )
-    plan = runner.static(session, "ar", plan)
+    plan = runner.static(session, "ar", _pad_plan(ar_plan(visit, u, n_known), session.batch_size))
     for _ in range(n_steps):
         runner.ar(session, plan, req.temperature, req.top_k)
         if on_iteration is not None:
@@ -258,9 +252,8 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     with torch.no_grad(), eval_mode(target):
         if req.strategy == "autoregressive":
             session = engine.start(req.canvas, req.known)
-            zeros = torch.zeros(B, dtype=torch.long, device=device)
-            plan = ARPlan(torch.arange(T, device=device).expand(B, T).contiguous(), draw(g, (B, T), device), zeros,
-                          zeros + T, zeros[0].clone(), zeros[0].bool())
+            plan = ar_plan(torch.arange(T, device=device).expand(B, T), draw(g, (B, T), device),
+                           torch.zeros(B, dtype=torch.long, device=device))
             plan = engine.static(session, "ar", _pad_plan(plan, session.batch_size))
             for _ in range(2):  # eager (compiles), then captured
                 engine.ar(session, plan, req.temperature, req.top_k)
@@ -275,7 +268,8 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
 
 
 def _pad_plan(plan: ARPlan, size: int) -> ARPlan:
-    return ARPlan(*(_pad_rows(t, None, size) for t in plan[:4]), plan.step, plan.nonfinite)
+    """The plan with zero rows up to ``size``: padding rows are never live."""
+    return ARPlan(*(_pad_rows(t, None, size) for t in plan[:3]), plan.step, plan.nonfinite)
 
 
 def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.Tensor:

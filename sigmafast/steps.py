@@ -46,18 +46,27 @@ class Drafts(NamedTuple):
     logits: torch.Tensor  # (B, R, V) draft logits p(x_j | visited)
     tokens: torch.Tensor  # (B, T) the canvas with the drafts at the queried positions
     logp: torch.Tensor  # (B, T) log p of each draft, by position
-    slot: torch.Tensor  # (B, T) index in ``positions`` of each queried position
 
 
 class ARPlan(NamedTuple):
-    """The static inputs of autoregressive sampling."""
+    """The static inputs of autoregressive sampling (built by :func:`ar_plan`)."""
 
-    visit: torch.Tensor  # (B, T) known positions (ascending), then the unknown ones in visiting order
+    queue: torch.Tensor  # (B, T) position sampled at step s (a row's last one again once it is complete)
     u: torch.Tensor  # (B, T) float64 uniform of each position
-    n_known: torch.Tensor  # (B,) known count at the start
-    steps: torch.Tensor  # (B,) tokens to sample per row
+    live: torch.Tensor  # (B, T) bool: step s samples a token (s < the row's unknown count)
     step: torch.Tensor  # () int64 step counter, advanced in place by :func:`ar_step`
     nonfinite: torch.Tensor  # () bool, set in place by :func:`ar_step` when a used logits row is not finite
+
+
+def ar_plan(visit: torch.Tensor, u: torch.Tensor, n_known: torch.Tensor) -> ARPlan:
+    """The plan of rows visiting ``visit`` (B, T) (their ``n_known`` (B,) known positions first, then the
+    unknown ones in visiting order) with uniforms ``u`` (B, T), at step 0."""
+    B, T = visit.shape
+    s = torch.arange(T, device=visit.device)
+    queue = visit.gather(1, (n_known[:, None] + s).clamp(max=T - 1))
+    live = s[None, :] < (T - n_known)[:, None]
+    return ARPlan(queue, u, live, torch.zeros((), dtype=torch.long, device=visit.device),
+                  torch.zeros((), dtype=torch.bool, device=visit.device))
 
 
 def _backend(session) -> Optional[str]:
@@ -74,9 +83,7 @@ def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Opt
                                backend=_backend(session))
     tokens = canvas.scatter(1, positions, tok.view(B, R))
     logp = torch.zeros(B, T, dtype=logp.dtype, device=canvas.device).scatter(1, positions, logp.view(B, R))
-    steps = torch.arange(R, device=canvas.device).expand(B, R)
-    slot = torch.zeros(B, T, dtype=torch.long, device=canvas.device).scatter(1, positions, steps)
-    return Drafts(positions, logits, tokens, logp, slot)
+    return Drafts(positions, logits, tokens, logp)
 
 
 def orders_of(keys: torch.Tensor, known: torch.Tensor, R: int) -> torch.Tensor:
@@ -118,8 +125,10 @@ def residual(session, verified: Verified, drafts: Drafts, choice: torch.Tensor, 
     R = verified.orders.shape[-1]
     rows = torch.arange(n.shape[0], device=n.device)
     k = n.clamp(max=R - 1)
-    j = verified.orders[rows, choice].gather(1, k[:, None]).squeeze(1)  # (B,) position of the rejection
-    p_rows = drafts.logits[rows, drafts.slot.gather(1, j[:, None]).squeeze(1)]  # (B, V)
+    j = kernels.reference.chosen_order(verified.orders, choice).gather(1, k[:, None])  # (B, 1) rejected position
+    slot = (drafts.positions == j).to(torch.uint8).argmax(1)  # (B,) its draft (0 where it has none: unused)
+    p_rows = drafts.logits[rows, slot]  # (B, V)
+    j = j.squeeze(1)
     q_rows = verifier_logits(session, verified, rows, choice, k)
     tok = kernels.residual_sample(q_rows, p_rows, u_residual.gather(1, j[:, None]).squeeze(1), temperature, top_k,
                                   backend=_backend(session))
@@ -164,8 +173,9 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     """Sample the next position of every row in its visiting order, in place; advances ``plan.step``."""
     canvas = session.canvas
     B, T = canvas.shape
-    active = plan.steps > plan.step  # (B,)
-    j = plan.visit.gather(1, (plan.n_known + plan.step).clamp(max=T - 1)[:, None])  # (B, 1)
+    at = plan.step.expand(B, 1)
+    j = plan.queue.gather(1, at)  # (B, 1)
+    active = plan.live.gather(1, at).squeeze(1)  # (B,)
     verified = session.verify(j[:, None], canvas.gather(1, j)[:, None])  # feeds the last token only
     if verified.hidden is not None:  # (B, V) logits of the only order's only step: no gather
         logits = session.head(verified.hidden[:, 0, 0])

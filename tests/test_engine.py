@@ -52,8 +52,7 @@ def _ar_run(model, step, backend, B=3):
     session.prefill(canvas, known)
     n_known = known.sum(1)
     visit = torch.where(known, torch.arange(T) - T, torch.arange(T).flip(0)).argsort(dim=1, stable=True)
-    plan = steps.ARPlan(visit, draw(torch.Generator().manual_seed(2), (B, T), "cpu"), n_known, T - n_known,
-                        torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.bool))
+    plan = steps.ar_plan(visit, draw(torch.Generator().manual_seed(2), (B, T), "cpu"), n_known)
     for _ in range(T):
         step(session, plan, 0.8, 3)
     assert not plan.nonfinite
