@@ -1,27 +1,62 @@
-"""Where one engine step spends its GPU time: kernel counts and the top kernels, by torch.profiler.
+"""Where one engine step spends its work: GPU kernels by torch.profiler, or dispatched ops without a GPU.
 
-    python benchmarks/profile_steps.py [--shape gpt2] [--batch 1] [--remaining 256]
+    python benchmarks/profile_steps.py [--shape gpt2] [--batch 1] [--remaining 256] [--rule paper]
+    python benchmarks/profile_steps.py --count-ops [--shape gpt2] [--by-line]
 
-Profiles the eager (uncaptured) autoregressive step and burst iteration of a
-random-weight bf16 model with bucketed shapes on CUDA (float32 on CPU), after a
-warm-up, and prints per step the number of kernel launches, the summed kernel
-time and the ten costliest kernels. A CUDA-graph replay runs the same kernels
-without the launch gaps.
+Runs the eager (uncaptured) burst iteration and autoregressive step of a
+random-weight model with bucketed shapes, after a warm-up, as a CUDA-graph
+capture would run them:
+
+* default (CUDA, bf16): per step the number of kernel launches, the summed
+  kernel time and the ten costliest kernels (torch.profiler). A CUDA-graph
+  replay runs the same kernels without the launch gaps.
+* ``--count-ops`` (any device; float32 on the CPU, the Triton kernels in the
+  interpreter): every ATen and ``sigmafast::`` op the step dispatches
+  (``TorchDispatchMode``), leaving out views and allocations, which launch no
+  kernel. On CUDA each counted ATen op is at least one kernel and each custom
+  op one to three; for small models these launches, not the arithmetic, set a
+  replayed step's time. It defaults to a 512-token vocabulary, a 64-position
+  canvas and 40 remaining positions (the interpreter is slow); ``--by-line``
+  groups the ops by the source line that issued them.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import os
+import traceback
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import sigmafast
-from sigmafast import steps
-from sigmafast.request import draw, draw_burst
+NO_KERNEL = {"view", "_unsafe_view", "expand", "slice", "select", "as_strided", "unsqueeze", "squeeze", "permute",
+             "t", "transpose", "alias", "detach", "empty", "empty_strided", "empty_like", "new_empty",
+             "new_empty_strided", "lift_fresh", "unbind", "split", "split_with_sizes", "_reshape_alias", "unflatten",
+             "narrow", "promote_types", "scalar_tensor"}
 
 
-def _table(prof, title: str, steps_run: int) -> None:
+class OpLog(TorchDispatchMode):
+    """Records (op, issuing source line in sigmafast) of every dispatched op that launches work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        no_op_cast = name == "_to_copy" and set(kwargs) <= {"dtype"} and kwargs.get("dtype") in (None, args[0].dtype)
+        if name not in NO_KERNEL and not no_op_cast:
+            frames = [f for f in traceback.extract_stack()
+                      if f"{os.sep}sigmafast{os.sep}" in f.filename or f"{os.sep}kernels{os.sep}" in f.filename]
+            site = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+            self.ops.append((str(func.overloadpacket).removeprefix("aten."), site))
+        return func(*args, **kwargs)
+
+
+def _kernel_table(prof, title: str, steps_run: int) -> None:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     launches = sum(e.count for e in events) / steps_run
     total_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps_run
@@ -30,50 +65,84 @@ def _table(prof, title: str, steps_run: int) -> None:
         print(f"  {e.self_device_time_total / 1e3 / steps_run:8.4f} ms  x{e.count / steps_run:5.1f}  {e.key[:90]}")
 
 
+def _op_table(ops: list, title: str, steps_run: int, by_line: bool) -> None:
+    custom = sum(1 for op, _ in ops if op.startswith("sigmafast."))
+    print(f"\n== {title}: {len(ops) / steps_run:.0f} ops ({custom / steps_run:.0f} sigmafast custom ops) per step")
+    groups = collections.Counter(ops if by_line else [(op, "") for op, _ in ops])
+    for (op, site), n in sorted(groups.items(), key=lambda kv: (kv[0][1], -kv[1])):
+        print(f"  {n / steps_run:6.1f}  {op:28s} {site}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="gpt2", choices=list(sigmafast.PRESETS))
+    parser.add_argument("--shape", default="gpt2", help="model preset (sigmafast.PRESETS)")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--remaining", type=int, default=256, help="burst: remaining positions R")
-    parser.add_argument("--orders", type=int, default=5)
+    parser.add_argument("--remaining", type=int, help="burst: remaining positions (default 256; 40 counting ops)")
+    parser.add_argument("--rule", default="paper", choices=["paper", "lossless"])
+    parser.add_argument("--orders", type=int, default=5, help="burst orders of the paper rule (lossless: 1)")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (default 50257; 512 counting ops)")
+    parser.add_argument("--block-size", type=int, help="canvas length (default the preset's; 64 counting ops)")
+    parser.add_argument("--count-ops", action="store_true", help="count dispatched ops instead of GPU kernels")
+    parser.add_argument("--by-line", action="store_true", help="--count-ops: group the ops by source line")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if not cuda and not args.count_ops:
+        parser.error("kernel profiles need a CUDA device; without one, pass --count-ops")
+    if not cuda:  # before the first kernel call imports triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    import sigmafast
+    from sigmafast import steps
+    from sigmafast.request import draw, draw_burst
+
+    if args.shape not in sigmafast.PRESETS:
+        parser.error(f"--shape must be one of {sorted(sigmafast.PRESETS)}")
+    small = args.count_ops
+    vocab = args.vocab or (512 if small else 50257)
+    overrides = {"block_size": args.block_size or 64} if small or args.block_size else {}
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda and not small else torch.float32  # counts: as on the CPU
     torch.manual_seed(0)
-    config = sigmafast.SigmaGPTConfig.from_preset(args.shape, vocab_size=50257)
+    config = sigmafast.SigmaGPTConfig.from_preset(args.shape, vocab_size=vocab, **overrides)
     model = sigmafast.SigmaGPT(config).to(device=device, dtype=dtype).eval()
     engine = sigmafast.Engine(model, buckets=True, cuda_graphs=False)
     B, T = args.batch, config.block_size
-    R = steps.bucket(args.remaining, T)
+    left = min(args.remaining or (40 if small else 256), T)
+    R = steps.bucket(left, T)
+    orders = 1 if args.rule == "lossless" else args.orders
     g = torch.Generator().manual_seed(0)
     canvas = torch.randint(0, config.vocab_size, (B, T), generator=g).to(device)
     known = torch.ones(B, T, dtype=torch.bool, device=device)
-    known[:, T - args.remaining:] = False  # a long known prefix, R positions left
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    known[:, T - left:] = False  # a long known prefix, ``left`` positions to sample
+
+    def measured(title: str, step, steps_run: int) -> None:
+        if small:
+            with OpLog() as log:
+                for _ in range(steps_run):
+                    step()
+            _op_table(log.ops, title, steps_run, args.by_line)
+            return
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps_run):
+                step()
+            torch.cuda.synchronize()
+        _kernel_table(prof, title, steps_run)
+
     with torch.no_grad():
         session = engine.start(canvas, known)
-        d = draw_burst(g, session.batch_size, args.orders, T, device)
-        for _ in range(2):
-            engine.burst(session, d, R, 1.0, None, "paper")
+        d = draw_burst(g, session.batch_size, orders, T, device)
+        for _ in range(2):  # warm: kernels compiled
+            engine.burst(session, d, R, 1.0, None, args.rule)
         session = engine.start(canvas, known)
-        with profile(activities=acts) as prof:
-            engine.burst(session, d, R, 1.0, None, "paper")
-            if cuda:
-                torch.cuda.synchronize()
-        _table(prof, f"burst iteration {args.shape} B={B} R={R} O={args.orders}", 1)
+        measured(f"burst iteration {args.shape} {args.rule} B={B} R={R} O={orders}",
+                 lambda: engine.burst(session, d, R, 1.0, None, args.rule), 1)
 
-        n_known = known.sum(1)
         visit = (~known).to(torch.int8).argsort(dim=1, stable=True)
-        plan = steps.ar_plan(visit, draw(g, (B, T), device), n_known)
+        plan = steps.ar_plan(visit, draw(g, (B, T), device), known.sum(1))
         session = engine.start(canvas, known)
         for _ in range(2):
             engine.ar(session, plan, 1.0, None)
-        with profile(activities=acts) as prof:
-            for _ in range(4):
-                engine.ar(session, plan, 1.0, None)
-            if cuda:
-                torch.cuda.synchronize()
-        _table(prof, f"autoregressive step {args.shape} B={B}", 4)
+        measured(f"autoregressive step {args.shape} B={B}", lambda: engine.ar(session, plan, 1.0, None), 4)
 
 
 if __name__ == "__main__":
