@@ -36,7 +36,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Iterator, Optional
+from types import ModuleType
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -96,58 +97,35 @@ def _no_triton(e: ImportError) -> ImportError:
     return ImportError(f"the triton backend of sigmafast.kernels needs the triton package: {e}")
 
 
-# Plain import statements (not importlib), so that torch.compile can trace the Triton path.
-def _attention():
+class _Triton(NamedTuple):
+    accept: ModuleType
+    attention: ModuleType
+    commit_step: ModuleType
+    layer_norm: ModuleType
+    sampling: ModuleType
+
+
+def _triton() -> _Triton:
+    """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
+    plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import attention
+        from . import accept, attention, commit_step, layer_norm, sampling
     except ImportError as e:
         raise _no_triton(e) from e
-    return attention
-
-
-def _accept():
-    try:
-        from . import accept
-    except ImportError as e:
-        raise _no_triton(e) from e
-    return accept
-
-
-def _sampling():
-    try:
-        from . import sampling
-    except ImportError as e:
-        raise _no_triton(e) from e
-    return sampling
-
-
-def _layer_norm():
-    try:
-        from . import layer_norm
-    except ImportError as e:
-        raise _no_triton(e) from e
-    return layer_norm
-
-
-def _commit():
-    try:
-        from . import commit_step
-    except ImportError as e:
-        raise _no_triton(e) from e
-    return commit_step
+    return _Triton(accept, attention, commit_step, layer_norm, sampling)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
     """(B, H, R, D) queries over ``cache[:cache_lens]`` plus their own key; see the reference."""
     if _resolve(backend, q) == "triton":
-        return _attention().burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
+        return _triton().attention.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
     return reference.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
 def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
     """(B, O, H, R, D) orders, causal, over a shared cache prefix; see the reference."""
     if _resolve(backend, q) == "triton":
-        return _attention().verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
+        return _triton().attention.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
     return reference.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
@@ -157,7 +135,7 @@ def acceptance(
 ) -> Acceptance:
     """Accept/reject drafts from (B, O, R, V) verifier logits; see the reference."""
     if _resolve(backend, logits) == "triton":
-        return _accept().acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+        return _triton().accept.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
@@ -169,7 +147,7 @@ def acceptance_from_hidden(
     (V', C), rows past ``vocab_size`` being alignment padding); the Triton path never writes all the
     logits at once (``scoring``: see :func:`accept.acceptance_from_hidden`)."""
     if _resolve(backend, hidden) == "triton":
-        fn = _accept().acceptance_from_hidden
+        fn = _triton().accept.acceptance_from_hidden
         extra = {} if scoring is None else {"scoring": scoring}
         return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
                   vocab_size=vocab_size, **extra)
@@ -185,7 +163,7 @@ def sample(logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[s
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference."""
     if _resolve(backend, logits) == "triton":
-        return _sampling().sample(logits, uniforms, temperature, top_k)
+        return _triton().sampling.sample(logits, uniforms, temperature, top_k)
     return reference.sample(logits, uniforms, temperature, top_k)
 
 
@@ -193,7 +171,7 @@ def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *
                     ) -> torch.Tensor:
     """Sample from normalize(max(0, q - p)); see the reference."""
     if _resolve(backend, q_logits) == "triton":
-        return _sampling().residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
+        return _triton().sampling.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
     return reference.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
 
 
@@ -201,7 +179,7 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum ``x + y`` and its LayerNorm, (..., C) each; see the reference."""
     if _resolve(backend, x) == "triton":
-        return _layer_norm().add_layer_norm(x, y, weight, bias, eps)
+        return _triton().layer_norm.add_layer_norm(x, y, weight, bias, eps)
     return reference.add_layer_norm(x, y, weight, bias, eps)
 
 
@@ -212,7 +190,7 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     state = dict(canvas=canvas, known=known, last_tok=last_tok, last_pos=last_pos, k_cache=k_cache,
                  v_cache=v_cache, lens=lens)
     if _resolve(backend, k_cache) == "triton":
-        return _commit().commit(orders, choice, n, tokens, keys, values, **state)
+        return _triton().commit_step.commit(orders, choice, n, tokens, keys, values, **state)
     return reference.commit(orders, choice, n, tokens, keys, values, **state)
 
 
