@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .reference import RULES, Acceptance
+from .reference import Acceptance
 
 BLOCK_O = 16
 BLOCK_R = 128
@@ -101,10 +101,8 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
     """``reference.decide`` with one kernel after the ratio: (B, O, R) scores (log q, or the verifier's
     argmax when ``temperature == 0``), drafts, draft log p and uniforms; (B,) lengths. Called by the
     Triton acceptance ops after their own input checks."""
-    if rule not in RULES:
-        raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
     greedy = temperature == 0
-    if not greedy and scores.dtype != torch.float32 or drafts.numel() == 0 or drafts.shape[1] == 0:
+    if (not greedy and scores.dtype != torch.float32) or drafts.numel() == 0:
         return reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 

@@ -195,7 +195,7 @@ def chosen_order(orders: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
     return orders.gather(1, choice[:, None, None].expand(B, 1, R)).squeeze(1)
 
 
-def write_tokens(canvas, known, chosen, n, tokens) -> None:
+def write_canvas(canvas, known, chosen, n, tokens) -> None:
     """Write ``tokens[b, :n[b]]`` at the positions ``chosen[b, :n[b]]`` (B, R) of canvas and mark them known."""
     take = torch.arange(chosen.shape[1], device=n.device)[None, :] < n[:, None]  # (B, R)
     canvas.scatter_(1, chosen, torch.where(take, tokens, canvas.gather(1, chosen)))
@@ -226,7 +226,7 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     """
     B, O, R = orders.shape
     chosen = chosen_order(orders, choice)  # (B, R)
-    write_tokens(canvas, known, chosen, n, tokens)
+    write_canvas(canvas, known, chosen, n, tokens)
     if O == 1:
         k, v = keys[:, :, 0], values[:, :, 0]  # (n_layer, B, H, R, D) views
     else:

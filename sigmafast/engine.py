@@ -48,6 +48,12 @@ def fused_add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[t
     return add_norm(x, y, norm)
 
 
+def _traced() -> bool:
+    """Under autograd or torch.compile, where the eager fast paths step aside: the fused ops have no
+    backward, and an out= write or an in-place custom op is functionalised into whole-buffer copies."""
+    return torch.is_grad_enabled() or torch.compiler.is_compiling()
+
+
 class Verified(NamedTuple):
     """What :meth:`NeuralSession.verify` computed, for acceptance and :meth:`NeuralSession.commit`."""
 
@@ -148,8 +154,7 @@ class NeuralSession:
 
     def _add_norm(self):
         """The residual add + norm of this step: fused on the Triton path when nothing traces it."""
-        traced = torch.is_grad_enabled() or torch.compiler.is_compiling()
-        return fused_add_norm if self.backend == "triton" and not traced else add_norm
+        return fused_add_norm if self.backend == "triton" and not _traced() else add_norm
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits in the model's dtype (a view of the padded
@@ -161,15 +166,15 @@ class NeuralSession:
         B, O, R = orders.shape
         model, cache = self.model, self.cache
         tokens, in_pos = self.last_tok[:, None, None].expand(B, O, 1), self.last_pos[:, None, None].expand(B, O, 1)
-        if R > 1:  # (one step, autoregressive: the last token alone, no copy)
+        if R > 1:  # (R = 1, autoregressive: the last token alone, no copy)
             tokens = torch.cat([tokens, drafts[..., :-1]], dim=-1)
             in_pos = torch.cat([in_pos, orders[..., :-1]], dim=-1)
         x = model.embed(tokens, in_pos, orders)  # (B, O, R, C)
         rotary = model.rotary(in_pos, orders)
-        # eager (CUDA graphs): every layer's projection in one buffer, so that commit gathers all layers' keys
-        # and values in one op (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
-        # not under autograd, nor traced (functionalised, each write copies the buffer), nor with rotated keys
-        shared = rotary is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        # eager (CUDA graphs): every layer's projection in one buffer, so that commit reads all layers' keys
+        # and values from it (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
+        # eager only, and not with rotated keys
+        shared = rotary is None and not _traced()
         keys, values = [], []
 
         def attend(i, q, k, v):  # (B, O, H, R, D)
@@ -193,7 +198,6 @@ class NeuralSession:
         ``tokens[b, :n[b]]`` (B, R) into the canvas, append their inputs' keys and values (never
         recomputed) and make step ``n[b] - 1`` the last token. One fused op on the Triton path (two
         kernels instead of about 30 small ones); the reference under autograd and ``torch.compile``."""
-        traced = torch.is_grad_enabled() or torch.compiler.is_compiling()
         kernels.commit(verified.orders, choice, n, tokens, verified.keys, verified.values, canvas=self.canvas,
                        known=self.known, last_tok=self.last_tok, last_pos=self.last_pos, k_cache=self.cache.k,
-                       v_cache=self.cache.v, lens=self.cache.lens, backend="reference" if traced else self.backend)
+                       v_cache=self.cache.v, lens=self.cache.lens, backend="reference" if _traced() else self.backend)

@@ -108,12 +108,11 @@ def accept(session, verified: Verified, drafts: Drafts, u_accept: torch.Tensor, 
     return kernels.acceptance(verified.logits, *args, backend=_backend(session))
 
 
-def verifier_logits(session, verified: Verified, rows: torch.Tensor, choice: torch.Tensor,
-                    k: torch.Tensor) -> torch.Tensor:
-    """(B, V) verifier logits of step ``k[b]`` of order ``choice[b]``."""
+def verifier_logits(session, verified: Verified, index: tuple) -> torch.Tensor:
+    """(B, V) verifier logits at ``index`` (one (order, step) per row) of the (B, O, R) steps."""
     if verified.hidden is not None:
-        return session.head(verified.hidden[rows, choice, k])
-    return verified.logits[rows, choice, k]
+        return session.head(verified.hidden[index])
+    return verified.logits[index]
 
 
 def residual(session, verified: Verified, drafts: Drafts, choice: torch.Tensor, n: torch.Tensor,
@@ -129,7 +128,7 @@ def residual(session, verified: Verified, drafts: Drafts, choice: torch.Tensor, 
     slot = (drafts.positions == j).to(torch.uint8).argmax(1)  # (B,) its draft (0 where it has none: unused)
     p_rows = drafts.logits[rows, slot]  # (B, V)
     j = j.squeeze(1)
-    q_rows = verifier_logits(session, verified, rows, choice, k)
+    q_rows = verifier_logits(session, verified, (rows, choice, k))
     tok = kernels.residual_sample(q_rows, p_rows, u_residual.gather(1, j[:, None]).squeeze(1), temperature, top_k,
                                   backend=_backend(session))
     return tok, n < remaining
@@ -177,10 +176,7 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     j = plan.queue.gather(1, at)  # (B, 1)
     active = plan.live.gather(1, at).squeeze(1)  # (B,)
     verified = session.verify(j[:, None], canvas.gather(1, j)[:, None])  # feeds the last token only
-    if verified.hidden is not None:  # (B, V) logits of the only order's only step: no gather
-        logits = session.head(verified.hidden[:, 0, 0])
-    else:
-        logits = verified.logits[:, 0, 0]
+    logits = verifier_logits(session, verified, (slice(None), 0, 0))  # (B, V) the only step: a view, no gather
     first = torch.zeros(B, dtype=torch.long, device=canvas.device)  # the only order
     tok, _ = kernels.sample(logits, plan.u.gather(1, j).squeeze(1), temperature, top_k, backend=_backend(session))
     session.commit(verified, first, active.long(), tok[:, None])

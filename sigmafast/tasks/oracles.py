@@ -84,7 +84,7 @@ class OracleSession:
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:
         """Write the first ``n[b]`` tokens (B, R) of order ``choice[b]``: the conditionals read the canvas."""
         chosen = kernels.reference.chosen_order(verified.orders, choice)
-        kernels.reference.write_tokens(self.canvas, self.known, chosen, n, tokens)
+        kernels.reference.write_canvas(self.canvas, self.known, chosen, n, tokens)
 
 
 class ProductOracle(Oracle):
