@@ -74,7 +74,7 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import accept, attention, commit_step, decide, layer_norm, sampling, topk
+    from sigmafast.kernels import accept, attention, commit_step, decide, embed, flags, layer_norm, sampling, topk
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -112,11 +112,21 @@ def _cases(dtype: torch.dtype):
         for paper in (True, False):
             yield (f"decide greedy={greedy} paper={paper}",
                    lambda gr=greedy, pa=paper: decide.launch(toks if gr else ratio, toks, u64, lens, gr, pa))
+    flag, used = torch.zeros((), dtype=torch.bool), torch.rand(N, generator=g) < 0.5
+    yield "non-finite flag, logits", lambda: flags.launch(x, used, flag)
+    yield "non-finite flag, hidden states", lambda hs=h.view(2, 2, 16, C): flags.launch(hs, used.view(2, 2, 16)[:, :1],
+                                                                                       flag)
+    yield "burst status", lambda: flags.status_launch(torch.rand(8, 1024, generator=g) < 0.5, flag)
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
         yield f"add + LayerNorm C={C}", lambda xs=xs, w=w, b=b: layer_norm.launch(*xs, w, b, 1e-5)
         yield f"add + scalar-gain norm C={C}", lambda xs=xs, w=w: layer_norm.launch(*xs, w[:1].expand(C), None, 1e-5)
+        wte, pe = torch.randn(V, C, generator=g).to(dtype), torch.randn(1025, C // 2, generator=g).to(dtype)
+        orders = torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :256]
+        feed = (torch.tensor([3, 9]), torch.tensor([1024, 7]), torch.randint(0, V, (2, 5, 256), generator=g), orders)
+        yield f"feed embedding + LayerNorm C={C}", lambda f=feed, t=(wte, pe, w, b): embed.launch(
+            *f, t[0], t[1], t[1], t[2], t[3], 1e-5)
 
 
 def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None:

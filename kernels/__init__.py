@@ -7,13 +7,15 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
-``sampling``, ``layer_norm``, ``commit_step``; the module names differ from the
+``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``flags``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
 so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
-``add_layer_norm`` and ``commit`` fuse a step's small ops (a residual add and
-its LayerNorm; the cache and canvas writes of a commit). The functions below
+``add_layer_norm``, ``feed_embedding`` and ``commit`` fuse a step's small ops (a
+residual add and its LayerNorm; the input embedding and the first LayerNorm;
+the cache and canvas writes of a commit); ``flag_nonfinite`` and ``burst_status``
+fuse a step's checks (a non-finite output; the burst status). The functions below
 pick one per call:
 
 * ``backend="triton"`` or ``"reference"`` (keyword) is used as is; pass it in
@@ -101,6 +103,8 @@ class _Triton(NamedTuple):
     accept: ModuleType
     attention: ModuleType
     commit_step: ModuleType
+    embed: ModuleType
+    flags: ModuleType
     layer_norm: ModuleType
     sampling: ModuleType
 
@@ -109,10 +113,10 @@ def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import accept, attention, commit_step, layer_norm, sampling
+        from . import accept, attention, commit_step, embed, flags, layer_norm, sampling
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, attention, commit_step, layer_norm, sampling)
+    return _Triton(accept, attention, commit_step, embed, flags, layer_norm, sampling)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -183,6 +187,16 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     return reference.add_layer_norm(x, y, weight, bias, eps)
 
 
+def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight=None, bias=None, eps=1e-5, *,
+                   backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """σ-GPT's embedding of the inputs fed along (B, G, S) visiting orders and its LayerNorm, (B, G, S, C)
+    each; see the reference."""
+    args = (last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps)
+    if _resolve(backend, wte) == "triton":
+        return _triton().embed.feed_embedding(*args)
+    return reference.feed_embedding(*args)
+
+
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
            backend: Optional[str] = None) -> None:
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's canvas and KV cache, in place;
@@ -194,6 +208,22 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     return reference.commit(orders, choice, n, tokens, keys, values, **state)
 
 
+def flag_nonfinite(values, used, flag, *, backend: Optional[str] = None) -> None:
+    """Set the () bool ``flag`` in place when a used row of ``values`` (..., N) is not finite (``used``:
+    None or a bool mask broadcastable to the leading dims); never clears it. See the reference."""
+    if _resolve(backend, values) == "triton":
+        return _triton().flags.flag_nonfinite(values, used, flag)
+    return reference.flag_nonfinite(values, used, flag)
+
+
+def burst_status(known, flag, *, backend: Optional[str] = None) -> torch.Tensor:
+    """(3,) int64 [max unknown count of a row, rows with one, flag] of a (B, T) known mask; see the
+    reference."""
+    if _resolve(backend, known) == "triton":
+        return _triton().flags.burst_status(known, flag)
+    return reference.burst_status(known, flag)
+
+
 __all__ = [
     "Acceptance",
     "BACKENDS",
@@ -202,7 +232,10 @@ __all__ = [
     "add_layer_norm",
     "backend_for",
     "burst_attention",
+    "burst_status",
     "commit",
+    "feed_embedding",
+    "flag_nonfinite",
     "residual_sample",
     "sample",
     "use_backend",

@@ -52,8 +52,16 @@ def _add_layer_norm_kernel(
     b_y = tl.load(Y + o_n[:, None] * s_y + o_c[None, :], mask=m, other=0.0)
     b_s = (b_x.to(tl.float32) + b_y.to(tl.float32)).to(S.dtype.element_ty)  # the eager add's rounding
     tl.store(S + o_n[:, None] * C + o_c[None, :], b_s, mask=m)
-    b_v = b_s.to(tl.float32)
-    mean = tl.sum(b_v, 1) / C
+    b_h = normalize(b_s.to(tl.float32), o_c, W, B, s_w, eps, C, HAS_W, HAS_B)
+    tl.store(H + o_n[:, None] * C + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def normalize(b_v, o_c, W, B, s_w, eps, C: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """(BLOCK_N, BLOCK_C) float32 rows (columns >= C ignored) -> their LayerNorm, float32: the mean,
+    then the variance of the centred values (no cancellation), then the optional gain and bias."""
+    m_c = o_c < C
+    mean = tl.sum(tl.where(m_c[None, :], b_v, 0.0), 1) / C
     b_d = tl.where(m_c[None, :], b_v - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(b_d * b_d, 1) / C + eps)
     b_h = b_d * rstd[:, None]
@@ -61,7 +69,7 @@ def _add_layer_norm_kernel(
         b_h = b_h * tl.load(W + o_c.to(tl.int64) * s_w, mask=m_c, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         b_h = b_h + tl.load(B + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    tl.store(H + o_n[:, None] * C + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
+    return b_h
 
 
 def config(C: int) -> tuple[int, int, int]:

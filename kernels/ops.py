@@ -13,12 +13,18 @@ op                                 inputs -> outputs
 ``sigmafast::decide``              q/p ratios (or argmax), drafts, uniforms (B, O, R), lengths (B,)
                                    -> accept (B, O, R), n_accept, first_reject (B, O), best (B,)
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
+``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
+                                   weight, bias -> x, LayerNorm(x) (B, G, S, C)
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
                                    canvas, known, last token/position, KV caches and lens
+``sigmafast::flag_nonfinite``      values (..., N), used (broadcast to ...) or None, flag () -> None;
+                                   sets flag when a used row is not finite
+``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
 =================================  ==========================================================
 
-Every op but ``commit`` is functional: it returns new tensors and mutates none of its inputs.
-``commit`` declares the session buffers it writes in place (``mutates_args``).
+Every op but ``commit`` and ``flag_nonfinite`` is functional: it returns new tensors and mutates none
+of its inputs. ``commit`` declares the session buffers it writes in place (``mutates_args``), and
+``flag_nonfinite`` its flag.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -36,6 +42,9 @@ from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .commit_step import launch as commit_launch
 from .decide import launch as decide_launch
+from .embed import launch as feed_embedding_launch
+from .flags import launch as flag_nonfinite_launch
+from .flags import status_launch as burst_status_launch
 from .layer_norm import launch as add_layer_norm_launch
 from .sampling import launch
 
@@ -132,6 +141,19 @@ def _(x, y, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
+@torch.library.custom_op("sigmafast::feed_embedding", mutates_args=())
+def _feed_embedding(last_tok: Tensor, last_pos: Tensor, tokens: Optional[Tensor], orders: Tensor, wte: Tensor,
+                    pe_in: Optional[Tensor], pe_out: Optional[Tensor], weight: Optional[Tensor],
+                    bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    return feed_embedding_launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps)
+
+
+@_feed_embedding.register_fake
+def _(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps):
+    x = wte.new_empty(*orders.shape, wte.shape[1])
+    return x, torch.empty_like(x)
+
+
 @torch.library.custom_op("sigmafast::commit",
                          mutates_args=("canvas", "known", "last_tok", "last_pos", "k_cache", "v_cache", "lens"))
 def _commit(orders: Tensor, choice: Tensor, n: Tensor, tokens: Tensor, keys: Tensor, values: Tensor, canvas: Tensor,
@@ -144,5 +166,26 @@ def _(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos
     return None
 
 
+@torch.library.custom_op("sigmafast::flag_nonfinite", mutates_args=("flag",))
+def _flag_nonfinite(values: Tensor, used: Optional[Tensor], flag: Tensor) -> None:
+    flag_nonfinite_launch(values, used, flag)
+
+
+@_flag_nonfinite.register_fake
+def _(values, used, flag):
+    return None
+
+
+@torch.library.custom_op("sigmafast::burst_status", mutates_args=())
+def _burst_status(known: Tensor, flag: Tensor) -> Tensor:
+    return burst_status_launch(known, flag)
+
+
+@_burst_status.register_fake
+def _(known, flag):
+    return known.new_empty(3, dtype=torch.int64)
+
+
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "decide", "add_layer_norm", "commit")
+       "decide", "add_layer_norm", "feed_embedding", "commit", "flag_nonfinite",
+       "burst_status")

@@ -239,7 +239,54 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     last_tok.copy_(torch.where(moved, tokens.gather(1, last).squeeze(1), last_tok))
 
 
+def nonfinite(values: torch.Tensor, used: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """() bool: some used row of ``values`` (..., N) holds a NaN or +inf, or has no finite entry.
+
+    ``used`` (the leading dims of ``values``, broadcastable; None: every row) masks padding and
+    finished rows. A row's maximum is finite exactly when the row is usable: NaN propagates through
+    it, and an oracle's -inf (probability 0) entries are fine as long as one entry is finite."""
+    m = values.amax(-1)
+    bad = (m - m) != 0  # NaN exactly when m is NaN or ±inf: two ops where isfinite takes five on CUDA
+    return (bad if used is None else bad & used).any()
+
+
+def flag_nonfinite(values, used, flag) -> None:
+    """Set the () bool ``flag`` in place when some used row of ``values`` (..., N) holds a NaN or +inf,
+    or has no finite entry (:func:`nonfinite`; ``used``: None or a bool mask
+    broadcastable to the leading dims). Never clears it."""
+    flag.logical_or_(nonfinite(values, used))
+
+
+def burst_status(known, flag) -> torch.Tensor:
+    """(3,) int64 from the (B, T) known mask and the () bool flag: the largest unknown count of a row
+    (0 with no rows), the number of rows with one, and 1 if ``flag`` else 0."""
+    left = (~known).sum(1)
+    top = left.max() if left.numel() else left.new_zeros(())
+    return torch.stack([top, (left > 0).sum(), flag.long()])
+
+
 def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + y`` and ``F.layer_norm(s, (C,), weight, bias, eps)``, both (..., C) like x."""
     s = x + y
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+
+
+def feed_inputs(last_tok, last_pos, tokens, orders) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (B, G, S) tokens and input positions fed along ``orders``: step s gets step s - 1's token and
+    position, step 0 the (B,) last token and position (``tokens`` may be None when S == 1)."""
+    B, G, S = orders.shape
+    tok, pos = last_tok[:, None, None].expand(B, G, 1), last_pos[:, None, None].expand(B, G, 1)
+    if S == 1:
+        return tok, pos
+    return torch.cat([tok, tokens[..., :-1]], dim=-1), torch.cat([pos, orders[..., :-1]], dim=-1)
+
+
+def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight=None, bias=None,
+                   eps=1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x = wte[token] + concat(pe_in[in_pos], pe_out[orders])`` of the inputs fed along the (B, G, S)
+    ``orders`` (:func:`feed_inputs`), and ``F.layer_norm(x, (C,), weight, bias, eps)``."""
+    tok, in_pos = feed_inputs(last_tok, last_pos, tokens, orders)
+    x = F.embedding(tok, wte)
+    if pe_in is not None:
+        x = x + torch.cat([F.embedding(in_pos, pe_in), F.embedding(orders, pe_out)], dim=-1)
+    return x, F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

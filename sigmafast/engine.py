@@ -37,21 +37,40 @@ from .model import ScalarGainNorm, add_norm
 HEAD_ALIGN = 64  # on CUDA the LM head's output rows are padded to a multiple of this many logits
 
 
-def fused_add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model.add_norm`` as one Triton kernel (``kernels.add_layer_norm``) for the model's norms: a
-    LayerNorm over the last dimension, or a ScalarGainNorm (its gain as a stride-0 weight)."""
-    C = x.shape[-1]
+def norm_params(norm: nn.Module, C: int) -> Optional[tuple]:
+    """(weight, bias, eps) of the model's norms over C channels as the fused kernels take them: a
+    LayerNorm, or a ScalarGainNorm (its gain as a stride-0 weight); None for any other module."""
     if isinstance(norm, nn.LayerNorm) and tuple(norm.normalized_shape) == (C,):
-        return kernels.add_layer_norm(x, y, norm.weight, norm.bias, norm.eps, backend="triton")
-    if isinstance(norm, ScalarGainNorm):
-        return kernels.add_layer_norm(x, y, norm.weight.expand(C), None, 1e-5, backend="triton")
-    return add_norm(x, y, norm)
+        return norm.weight, norm.bias, norm.eps
+    if isinstance(norm, ScalarGainNorm) and norm.n_embd == C:
+        return norm.weight.expand(C), None, 1e-5
+    return None
+
+
+def fused_add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.add_norm`` as one Triton kernel (``kernels.add_layer_norm``) where :func:`norm_params`
+    knows the norm."""
+    params = norm_params(norm, x.shape[-1])
+    if params is None:
+        return add_norm(x, y, norm)
+    return kernels.add_layer_norm(x, y, *params, backend="triton")
 
 
 def _traced() -> bool:
     """Under autograd or torch.compile, where the eager fast paths step aside: the fused ops have no
     backward, and an out= write or an in-place custom op is functionalised into whole-buffer copies."""
     return torch.is_grad_enabled() or torch.compiler.is_compiling()
+
+
+def _embedding_params(model) -> Optional[tuple]:
+    """(wte, pe_in, pe_out, weight, bias, eps) of ``kernels.feed_embedding`` for the model's embedding and
+    first ``ln_1``, or None where the kernel does not apply (another norm, or tables of another dtype)."""
+    wte = model.wte.weight
+    tables = model.position_tables() or (None, None)
+    norm = norm_params(model.h[0].ln_1, wte.shape[1])
+    if norm is None or any(t is not None and t.dtype != wte.dtype for t in tables):
+        return None
+    return (wte, *tables, *norm)
 
 
 class Verified(NamedTuple):
@@ -105,6 +124,7 @@ class NeuralSession:
         padded = -(-V // align) * align
         # (V', C) LM head whose rows past V are zeros: aligned logits rows for cuBLAS (copied at prefill)
         self.head_weight = weight if padded == V else weight.new_zeros(padded, weight.shape[1])
+        self.embedding = _embedding_params(model)
 
     @property
     def batch_size(self) -> int:
@@ -139,18 +159,29 @@ class NeuralSession:
         self.canvas, self.known = self.canvas[rows], self.known[rows]
         self.last_tok, self.last_pos = self.last_tok[rows], self.last_pos[rows]
 
+    def feed(self, orders: torch.Tensor, tokens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The first block's input x along (B, G, S) visiting orders, given the tokens at them (None when
+        S == 1: only the last token is fed), and its ``ln_1(x)`` when fused, else None; (B, G, S, C).
+        One kernel (``kernels.feed_embedding``) on the Triton path when nothing traces the step and
+        dropout is off; eight small ops otherwise."""
+        if self.embedding is not None and self.backend == "triton" and not _traced() and not self.model.training:
+            return kernels.feed_embedding(self.last_tok, self.last_pos, tokens, orders, *self.embedding,
+                                          backend="triton")
+        tok, in_pos = kernels.reference.feed_inputs(self.last_tok, self.last_pos, tokens, orders)
+        return self.model.embed(tok, in_pos, orders), None
+
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, R) queried positions -> (B, R, V) logits of p(x_j | visited)."""
         B, R = positions.shape
         model, cache = self.model, self.cache
-        in_pos = self.last_pos[:, None].expand(B, R)
-        x = model.embed(self.last_tok[:, None].expand(B, R), in_pos, positions)
+        x, h = (t if t is None else t.view(B, R, -1) for t in self.feed(positions[..., None], None))
+        rotary = model.rotary(self.last_pos[:, None].expand(B, R), positions)
 
         def attend(i, q, k, v):  # (B, H, R, D)
             k_cache, v_cache = cache.layer(i)
             return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        return self.head(model.run_layers(x, attend, model.rotary(in_pos, positions), add_norm_fn=self._add_norm()))
+        return self.head(model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm(), h=h))
 
     def _add_norm(self):
         """The residual add + norm of this step: fused on the Triton path when nothing traces it."""
@@ -161,16 +192,16 @@ class NeuralSession:
         head's rows on CUDA). The samplers read 16-bit logits as float32 themselves: no float32 copy."""
         return F.linear(h, self.head_weight)[..., : self.vocab_size]
 
-    def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> Verified:
-        """Feed ``[last, drafts[:-1]]`` along each of the (B, O, R) orders, causal within each order."""
+    def verify(self, orders: torch.Tensor, drafts: Optional[torch.Tensor]) -> Verified:
+        """Feed ``[last, drafts[:-1]]`` along each of the (B, O, R) orders, causal within each order
+        (``drafts`` may be None when R == 1: the last token alone is fed)."""
         B, O, R = orders.shape
         model, cache = self.model, self.cache
-        tokens, in_pos = self.last_tok[:, None, None].expand(B, O, 1), self.last_pos[:, None, None].expand(B, O, 1)
-        if R > 1:  # (R = 1, autoregressive: the last token alone, no copy)
-            tokens = torch.cat([tokens, drafts[..., :-1]], dim=-1)
-            in_pos = torch.cat([in_pos, orders[..., :-1]], dim=-1)
-        x = model.embed(tokens, in_pos, orders)  # (B, O, R, C)
-        rotary = model.rotary(in_pos, orders)
+        x, h = self.feed(orders, drafts)  # (B, O, R, C)
+        rotary = None
+        if model.config.rotary:
+            rotary = model.rotary(kernels.reference.feed_inputs(self.last_tok, self.last_pos, drafts, orders)[1],
+                                  orders)
         # eager (CUDA graphs): every layer's projection in one buffer, so that commit reads all layers' keys
         # and values from it (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
         # eager only, and not with rotated keys
@@ -187,10 +218,10 @@ class NeuralSession:
         if shared:
             C, H = x.shape[-1], model.config.n_head
             qkv = x.new_empty(model.config.n_layer, B, O, R, 3 * C)
-            hidden = model.run_layers(x, attend, None, qkv_out=qkv, add_norm_fn=self._add_norm())
+            hidden = model.run_layers(x, attend, None, qkv_out=qkv, add_norm_fn=self._add_norm(), h=h)
             kv = qkv[..., C:].unflatten(-1, (2, H, C // H)).permute(4, 0, 1, 2, 5, 3, 6)  # (2, L, B, O, H, R, D)
             return Verified(orders, hidden, None, kv[0], kv[1])
-        hidden = model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm())  # keys and values stacked once
+        hidden = model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm(), h=h)  # keys and values stacked once
         return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -305,13 +305,21 @@ class SigmaGPT(nn.Module):
             n -= self.wpe_in.weight.numel() + self.wpe_out.weight.numel()
         return n
 
+    def position_tables(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The (block_size + 1, C / 2) tables of the input and output positions' absolute encodings (one
+        shared sinusoidal table, or two learned ones), None without an absolute encoding."""
+        if self.config.absolute == "learned":
+            return self.wpe_in.weight, self.wpe_out.weight
+        if self.config.absolute == "sinusoidal":
+            return self.pe_table, self.pe_table
+        return None
+
     def pos_embed(self, in_pos: torch.Tensor, out_pos: torch.Tensor) -> Optional[torch.Tensor]:
         """(..., T) positions -> (..., T, C) absolute double positional encoding, None without one."""
-        if self.config.absolute == "learned":
-            return torch.cat([self.wpe_in(in_pos), self.wpe_out(out_pos)], dim=-1)
-        if self.config.absolute == "sinusoidal":
-            return torch.cat([self.pe_table[in_pos], self.pe_table[out_pos]], dim=-1)
-        return None
+        tables = self.position_tables()
+        if tables is None:
+            return None
+        return torch.cat([F.embedding(in_pos, tables[0]), F.embedding(out_pos, tables[1])], dim=-1)
 
     def embed(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
         """(..., T) tokens and positions -> (..., T, C) input of the first block."""
@@ -328,7 +336,8 @@ class SigmaGPT(nn.Module):
         return Rotary(*angles, values=self.config.rotary_values)
 
     def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None,
-                   qkv_out: Optional[torch.Tensor] = None, add_norm_fn: AddNormFn = add_norm) -> torch.Tensor:
+                   qkv_out: Optional[torch.Tensor] = None, add_norm_fn: AddNormFn = add_norm,
+                   h: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
 
         x is (..., T, C); q, k, v and y are (..., H, T, D), already rotated by
@@ -336,10 +345,12 @@ class SigmaGPT(nn.Module):
         projection is written into ``qkv_out[i]`` ((n_layer, ..., T, 3C), contiguous) when it is
         given. Each residual update and the norm that follows it (the next block's ``ln_1``, the
         MLP's ``ln_2``, or ``ln_f`` after the last) go through ``add_norm_fn(x, update, norm)``, which
-        may fuse them. Returns the final hidden states after ``ln_f``, (..., T, C).
+        may fuse them. ``h`` is the first block's ``ln_1(x)`` when the caller computed it with x (a fused
+        embedding), else None. Returns the final hidden states after ``ln_f``, (..., T, C).
         """
         blocks = list(self.h)
-        h = blocks[0].ln_1(x)
+        if h is None:
+            h = blocks[0].ln_1(x)
         for i, block in enumerate(blocks):
             q, k, v = block.attn.qkv(h, rotary, None if qkv_out is None else qkv_out[i])
             update = block.attn.project(attend(i, q, k, v), rotary)

@@ -23,8 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import reference as ref
-from .request import (ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt, nonfinite, nonfinite_error,
-                      prepare)
+from .request import ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt, nonfinite_error, prepare
 
 
 def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
@@ -63,7 +62,7 @@ def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
         logits = model.logits(canvas.to(dev), known.to(dev), targets.to(dev))[:, 0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    if bool(nonfinite(logits)):
+    if bool(ref.nonfinite(logits)):
         raise nonfinite_error("logits")
     return logits
 

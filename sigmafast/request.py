@@ -69,18 +69,6 @@ def build_stats(accepted: list, lengths: Optional[list], batch_size: int, device
     return SampleStats((acc > 0).sum(1), forward_calls, acc, lens, wall_time)
 
 
-def nonfinite(values: torch.Tensor, used: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """() bool: some used row of ``values`` (..., N) holds a NaN or +inf, or has no finite entry.
-
-    ``used`` (the leading dims of ``values``, broadcastable; None: every row) masks padding and
-    finished rows. A row's
-    maximum is finite exactly when the row is usable: NaN propagates through it, and an oracle's
-    -inf (probability 0) entries are fine as long as one entry is finite."""
-    m = values.amax(-1)
-    bad = (m - m) != 0  # NaN exactly when m is NaN or ±inf: two ops where isfinite takes five on CUDA
-    return (bad if used is None else bad & used).any()
-
-
 def nonfinite_error(what: str) -> ValueError:
     """The error raised when the model's outputs are not finite (rather than returning garbage)."""
     return ValueError(f"model gave non-finite {what} (NaN or inf): its weights are probably not finite "

@@ -60,7 +60,7 @@ import torch
 from . import kernels
 from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
-                      nonfinite, nonfinite_error, prepare)
+                      nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
 
@@ -283,7 +283,7 @@ def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.
         session = conds.prefill(req.canvas, req.known)
         positions = torch.arange(T, device=req.canvas.device).expand(B, T)
         logits = session.draft(positions) if T > 0 else None  # (B, T, V)
-        if logits is not None and bool(nonfinite(logits, ~req.known)):
+        if logits is not None and bool(kernels.reference.nonfinite(logits, ~req.known)):
             raise nonfinite_error("logits")
         p = torch.softmax(kernels.reference.upcast(logits), dim=-1) if logits is not None else None  # fp32 at least
     V = conds.vocab_size
@@ -321,7 +321,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
             logits = session.verify(order[:, None], targets[:, None]).logits[:, 0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    if bool(nonfinite(logits)):  # every row is used
+    if bool(kernels.reference.nonfinite(logits)):  # every row is used
         raise nonfinite_error("logits")
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, targets[..., None]).squeeze(-1).sum(-1)

@@ -26,9 +26,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import kernels
-from .engine import Verified
+from .engine import Verified, _traced
 from .kernels import Acceptance
-from .request import BurstDraws, nonfinite
+from .request import BurstDraws
 
 MIN_BUCKET = 16
 
@@ -73,6 +73,12 @@ def _backend(session) -> Optional[str]:
     return getattr(session, "backend", None)
 
 
+def _flags_backend(session) -> Optional[str]:
+    """The backend of the flag ops: the reference when traced (an in-place custom op would be
+    functionalised into copies), else the session's."""
+    return "reference" if _traced() else _backend(session)
+
+
 def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Optional[int]) -> Drafts:
     """Sample a draft at each of the first R remaining positions of every row."""
     canvas, known = session.canvas, session.known
@@ -91,17 +97,18 @@ def orders_of(keys: torch.Tensor, known: torch.Tensor, R: int) -> torch.Tensor:
     return keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]
 
 
-def accept(session, verified: Verified, drafts: Drafts, u_accept: torch.Tensor, remaining: torch.Tensor,
-           temperature: float, top_k: Optional[int], rule: str) -> Acceptance:
-    """Test every order's drafts against the verifier (from hidden states when the session has them)."""
-    orders = verified.orders
+def along(t: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:
+    """(B, T) values by position -> (B, O, R) in the visiting order of each of the (B, O, R) ``orders``."""
     B, O, R = orders.shape
-    T = drafts.tokens.shape[1]
+    return t[:, None, :].expand(B, O, t.shape[1]).gather(2, orders)
 
-    def along(t: torch.Tensor) -> torch.Tensor:  # (B, T) by position -> (B, O, R) in visiting order
-        return t[:, None, :].expand(B, O, T).gather(2, orders)
 
-    args = (along(drafts.tokens), along(drafts.logp), along(u_accept), remaining, temperature, top_k, rule)
+def accept(session, verified: Verified, drafts: Drafts, tok_o: torch.Tensor, u_accept: torch.Tensor,
+           remaining: torch.Tensor, temperature: float, top_k: Optional[int], rule: str) -> Acceptance:
+    """Test every order's drafts ``tok_o`` (B, O, R) against the verifier (from hidden states when the
+    session has them)."""
+    orders = verified.orders
+    args = (tok_o, along(drafts.logp, orders), along(u_accept, orders), remaining, temperature, top_k, rule)
     if verified.hidden is not None:
         return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, backend=_backend(session),
                                               vocab_size=session.vocab_size)
@@ -145,14 +152,16 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     remaining = (~session.known).sum(1)  # (B,)
     drafts = draft(session, d.u_draft, R, temperature, top_k)
     orders = orders_of(d.keys, session.known, R)  # (B, O, R)
-    B, O, _ = orders.shape
-    T = drafts.tokens.shape[1]
-    tok_o = drafts.tokens[:, None, :].expand(B, O, T).gather(2, orders)
+    B = orders.shape[0]
+    tok_o = along(drafts.tokens, orders)  # (B, O, R)
     verified = session.verify(orders, tok_o)
     used = torch.arange(R, device=remaining.device)[None, :] < remaining[:, None]  # (B, R)
     scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
-    bad = nonfinite(drafts.logits, used) | nonfinite(scores, used[:, None, :])
-    res = accept(session, verified, drafts, d.u_accept, remaining, temperature, top_k, rule)
+    bad = torch.zeros((), dtype=torch.bool, device=remaining.device)
+    backend = _flags_backend(session)
+    kernels.flag_nonfinite(drafts.logits, used, bad, backend=backend)
+    kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)
+    res = accept(session, verified, drafts, tok_o, d.u_accept, remaining, temperature, top_k, rule)
     rows = torch.arange(B, device=remaining.device)
     choice = res.best if rule == "paper" else torch.zeros_like(res.best)
     n = res.n_accept[rows, choice]  # (B,)
@@ -164,8 +173,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
         new_tok = torch.where(at_k & rejected[:, None], r_tok[:, None], new_tok)
         n_commit = n + rejected.long()
     session.commit(verified, choice, n_commit, new_tok)
-    left = remaining - n_commit
-    return n_commit, n, torch.stack([left.max(), (left > 0).sum(), bad.long()])
+    return n_commit, n, kernels.burst_status(session.known, bad, backend=backend)  # unknown = remaining - n_commit
 
 
 def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:
@@ -175,10 +183,10 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     at = plan.step.expand(B, 1)
     j = plan.queue.gather(1, at)  # (B, 1)
     active = plan.live.gather(1, at).squeeze(1)  # (B,)
-    verified = session.verify(j[:, None], canvas.gather(1, j)[:, None])  # feeds the last token only
+    verified = session.verify(j[:, None], None)  # feeds the last token only
     logits = verifier_logits(session, verified, (slice(None), 0, 0))  # (B, V) the only step: a view, no gather
     first = torch.zeros(B, dtype=torch.long, device=canvas.device)  # the only order
     tok, _ = kernels.sample(logits, plan.u.gather(1, j).squeeze(1), temperature, top_k, backend=_backend(session))
     session.commit(verified, first, active.long(), tok[:, None])
-    plan.nonfinite.logical_or_(nonfinite(logits, active))
+    kernels.flag_nonfinite(logits, active, plan.nonfinite, backend=_flags_backend(session))
     plan.step.add_(1)

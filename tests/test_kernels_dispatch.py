@@ -139,6 +139,10 @@ def _backend_calls():
                                                                              **kw),
         "sample": lambda **kw: kernels.sample(logits, u, 0.9, **kw),
         "residual_sample": lambda **kw: kernels.residual_sample(logits, logits.flip(0), u, **kw),
+        "flag_nonfinite": lambda **kw: kernels.flag_nonfinite(logits, u > 0.5, torch.zeros_like(u[0], dtype=torch.bool),
+                                                              **kw),
+        "burst_status": lambda **kw: kernels.burst_status(u.view(2, 2) > 0.5, torch.zeros_like(u[0], dtype=torch.bool),
+                                                          **kw),
     }
 
 
@@ -192,8 +196,16 @@ def test_kernels_are_custom_ops():
         "commit": _commit_sample(g),
         "add_layer_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g),
                                  torch.rand(16, generator=g), torch.randn(16, generator=g)), 1e-5),
+        "feed_embedding": (*_dev(torch.tensor([1, 4]), torch.tensor([8, 0]), torch.randint(5, (2, 3, 4), generator=g),
+                                 torch.randint(0, 9, (2, 3, 4), generator=g), torch.randn(5, 16, generator=g),
+                                 torch.randn(9, 8, generator=g), torch.randn(9, 8, generator=g),
+                                 torch.rand(16, generator=g)), None, 1e-5),
         "decide": (*_dev(torch.rand(2, 3, 5, generator=g) * 2, torch.zeros(2, 3, 5, dtype=torch.long),
                          torch.rand(2, 3, 5, generator=g, dtype=torch.float64), torch.tensor([5, 2])), False, True),
+        "flag_nonfinite": (*_dev(torch.randn(2, 3, 4, 9, generator=g).index_fill_(-1, torch.tensor([3]), float("nan")),
+                                 torch.tensor([[[True, False, False, True]]]).expand(2, 1, 4),
+                                 torch.zeros((), dtype=torch.bool)),),
+        "burst_status": tuple(_dev(torch.rand(3, 11, generator=g) < 0.5, torch.ones((), dtype=torch.bool))),
     }
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
         torch.library.opcheck(getattr(torch.ops.sigmafast, name).default, args,

@@ -16,6 +16,8 @@ naive reference sampler uses.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import kernels
@@ -76,8 +78,11 @@ class OracleSession:
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         return self.oracle.logits(self.canvas, self.known, positions)
 
-    def verify(self, orders: torch.Tensor, drafts: torch.Tensor) -> Verified:
-        """Step k of order o conditions on the known tokens and drafts at steps < k."""
+    def verify(self, orders: torch.Tensor, drafts: Optional[torch.Tensor]) -> Verified:
+        """Step k of order o conditions on the known tokens and drafts at steps < k (``drafts`` may be
+        None when R == 1: no step has drafts before it)."""
+        if drafts is None:
+            drafts = torch.zeros_like(orders)  # never read: the only step has no draft before it
         p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts)
         return Verified(orders, None, self.oracle._to_logits(p), None, None)
 

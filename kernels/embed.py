@@ -1,0 +1,179 @@
+"""Triton σ-GPT input embedding + the first LayerNorm, fed along visiting orders, in one kernel.
+
+Step s of a visiting order (σ_0 … σ_{S-1}) is fed the token visited before it,
+at its position, and predicts position σ_s; step 0 is fed the session's last
+token instead (:mod:`sigmafast.engine`). Its embedding is
+
+    x = wte[token] + concat(pe_in[in_pos], pe_out[σ_s])          (each half C / 2)
+
+and the first block reads ``h = ln_1(x)``. Eagerly that is two ``cat`` of the
+inputs, three gathers, a ``cat``, an add and a LayerNorm: eight launch-bound
+kernels per forward. ``_feed_embedding_kernel``, grid (row blocks,), does all
+of it for BLOCK_N rows per program: it reads each row's token and positions
+(the previous step's, or the last token's at s = 0), gathers the three table
+rows, rounds the sum to the output dtype (as the eager add) and normalises it
+with :func:`.layer_norm.normalize` (float32 statistics).
+
+Compiles once per dtype, width and affine layout: BLOCK_N and BLOCK_C depend on
+C only (:func:`.layer_norm.config`); the row counts and every stride are in
+``do_not_specialize``, the tables' row strides in units of ``STRIDE_UNIT`` (16
+when the strides and half-width allow it, as in :mod:`.layer_norm`) so that the
+gathered rows are read with wide loads. Token and position values are not checked (an index out
+of its table is undefined behaviour, as in any gather kernel): the engine
+only feeds canvas tokens and positions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .layer_norm import MAX_WIDTH, config, normalize
+from .utils import check_float
+
+_INT = (torch.int64, torch.int32)
+
+
+@triton.jit(do_not_specialize=["N", "G", "S", "s_ob", "s_og", "s_os", "s_tb", "s_tg", "s_ts", "s_wte", "s_pi",
+                               "s_po", "s_w"])
+def _feed_embedding_kernel(
+    LAST_TOK, LAST_POS, TOK, ORD, WTE, PE_IN, PE_OUT, W, B, X, H,
+    N, G, S, s_ob, s_og, s_os, s_tb, s_tg, s_ts, s_wte, s_pi, s_po, s_w, eps,
+    C: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HAS_PE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+):
+    s_wte, s_pi, s_po = s_wte * STRIDE_UNIT, s_pi * STRIDE_UNIT, s_po * STRIDE_UNIT  # vectorised row loads
+    pid = tl.program_id(0)
+    o_r = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 row index math: N < 2**31 (checked by the launcher)
+    m_n = o_r < N
+    o_s = (o_r % S).to(tl.int64)
+    o_g = ((o_r // S) % G).to(tl.int64)
+    o_b = (o_r // (S * G)).to(tl.int64)
+    o_n = o_r.to(tl.int64)
+    m_first = o_s == 0
+    m_prev = m_n & (o_s > 0)
+    p_ord = ORD + o_b * s_ob + o_g * s_og
+    b_out = tl.load(p_ord + o_s * s_os, mask=m_n, other=0).to(tl.int64)
+    b_in = tl.where(m_first, tl.load(LAST_POS + o_b, mask=m_n & m_first, other=0),
+                    tl.load(p_ord + (o_s - 1) * s_os, mask=m_prev, other=0)).to(tl.int64)
+    b_tok = tl.where(m_first, tl.load(LAST_TOK + o_b, mask=m_n & m_first, other=0),
+                     tl.load(TOK + o_b * s_tb + o_g * s_tg + (o_s - 1) * s_ts, mask=m_prev, other=0)).to(tl.int64)
+
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    m = m_n[:, None] & m_c[None, :]
+    b_x = tl.load(WTE + b_tok[:, None] * s_wte + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_PE:
+        m_in = o_c < HALF
+        b_pi = tl.load(PE_IN + b_in[:, None] * s_pi + o_c[None, :], mask=m_n[:, None] & m_in[None, :], other=0.0)
+        b_po = tl.load(PE_OUT + b_out[:, None] * s_po + (o_c - HALF)[None, :],
+                       mask=m & (~m_in)[None, :], other=0.0)
+        b_x = b_x + b_pi.to(tl.float32) + b_po.to(tl.float32)  # one nonzero term per column: one rounding
+    b_x = b_x.to(X.dtype.element_ty)
+    tl.store(X + o_n[:, None] * C + o_c[None, :], b_x, mask=m)
+    b_h = normalize(b_x.to(tl.float32), o_c, W, B, s_w, eps, C, HAS_W, HAS_B)
+    tl.store(H + o_n[:, None] * C + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
+
+
+def launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps):
+    """Launch the kernel (no input checks): returns x and h, (B, G, S, C) each."""
+    B, G, S = orders.shape
+    C = wte.shape[1]
+    x = torch.empty(B, G, S, C, dtype=wte.dtype, device=wte.device)
+    h = torch.empty_like(x)
+    N = B * G * S
+    if N == 0:
+        return x, h
+    if tokens is None:  # S == 1: only the last token is fed
+        tokens = orders
+    block_n, block_c, num_warps = config(C)
+    has_pe = pe_in is not None
+    strides = (wte.stride(0), pe_in.stride(0), pe_out.stride(0)) if has_pe else (wte.stride(0), 0, 0)
+    unit = 16 if C % 32 == 0 and all(st % 16 == 0 for st in strides) else 1
+    _feed_embedding_kernel[(triton.cdiv(N, block_n),)](
+        last_tok, last_pos, tokens, orders, wte, pe_in if has_pe else wte, pe_out if has_pe else wte,
+        weight if weight is not None else wte, bias if bias is not None else wte, x, h,
+        N, G, S, *orders.stride(), *tokens.stride(), *(st // unit for st in strides),
+        weight.stride(0) if weight is not None else 0, float(eps),
+        C=C, HALF=C // 2, BLOCK_N=block_n, BLOCK_C=block_c, HAS_PE=has_pe, HAS_W=weight is not None,
+        HAS_B=bias is not None, STRIDE_UNIT=unit, num_warps=num_warps,
+    )
+    return x, h
+
+
+def _check_index(name: str, t, shape: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _INT:
+        raise TypeError(f"{name} must be an int64 or int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape or t.device != device:
+        raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(t.shape)} on {t.device}")
+
+
+def _check_table(name: str, t, width: int, dtype, device) -> None:
+    if (not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != width or t.dtype != dtype
+            or t.device != device or t.stride(1) != 1):
+        raise ValueError(f"{name} must be a (rows, {width}) {dtype} tensor on {device} with unit column stride, "
+                         f"got {getattr(t, 'shape', type(t).__name__)}")
+
+
+def feed_embedding(
+    last_tok: torch.Tensor,
+    last_pos: torch.Tensor,
+    tokens: Optional[torch.Tensor],
+    orders: torch.Tensor,
+    wte: torch.Tensor,
+    pe_in: Optional[torch.Tensor],
+    pe_out: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """σ-GPT's first-block input along visiting orders, and its LayerNorm.
+
+    last_tok, last_pos: (B,) the token fed at step 0 and its position; orders: (B, G, S) the
+    positions visited (predicted) by each of G groups of S steps; tokens: (B, G, S) the tokens
+    at those positions (step s is fed ``tokens[..., s - 1]`` at ``orders[..., s - 1]``; the last
+    step's token is never read), or None when S == 1. wte: (V, C) token embeddings; pe_in,
+    pe_out: (P, C / 2) position tables, or both None (no absolute encoding); weight, bias: (C,)
+    or None (weight may be a stride-0 gain). Returns ``x`` (B, G, S, C) in wte's dtype and
+    ``h = F.layer_norm(x, (C,), weight, bias, eps)``, from the ``sigmafast::feed_embedding`` op.
+    """
+    if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
+        raise ValueError(f"orders must be a (B, G, S) tensor, got {getattr(orders, 'shape', type(orders).__name__)}")
+    B, G, S = orders.shape
+    device = orders.device
+    _check_index("orders", orders, (B, G, S), device)
+    if B * G * S >= 2**31:
+        raise ValueError(f"orders must have fewer than 2**31 steps, got {B * G * S}")
+    _check_index("last_tok", last_tok, (B,), device)
+    _check_index("last_pos", last_pos, (B,), device)
+    if tokens is None:
+        if S > 1:
+            raise ValueError(f"tokens may be None only when orders has one step per group, got S = {S}")
+    else:
+        _check_index("tokens", tokens, (B, G, S), device)
+    check_float("wte", wte, 2)
+    C = wte.shape[1]
+    if not 2 <= C <= MAX_WIDTH or C % 2:
+        raise ValueError(f"wte's width must be even and in [2, {MAX_WIDTH}], got {C}")
+    _check_table("wte", wte, C, wte.dtype, device)
+    if (pe_in is None) != (pe_out is None):
+        raise ValueError("pe_in and pe_out must be both tensors or both None")
+    if pe_in is not None:
+        _check_table("pe_in", pe_in, C // 2, wte.dtype, device)
+        _check_table("pe_out", pe_out, C // 2, wte.dtype, device)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (C,) or not t.is_floating_point()
+                              or t.device != device):
+            raise ValueError(f"{name} must be None or a float ({C},) tensor on {device}, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
+    return torch.ops.sigmafast.feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight,
+                                              bias, float(eps))

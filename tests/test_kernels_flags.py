@@ -1,0 +1,237 @@
+"""Triton step flags (kernels/flags.py) against kernels/reference.py: the non-finite flag and the burst status.
+
+Both results are exact (a flag and counts). Every non-finite case is placed in
+a used row and in an unused one; the masks come in every form the steps pass
+(per row, broadcast over orders, fewer dims, none) and the values as views of
+padded or permuted buffers, read in place. The status output comes pre-filled
+with garbage (``poisoned_empty``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_model, triton_device
+from sigmafast.kernels import flags
+from sigmafast.kernels import reference as ref
+
+DEVICE = triton_device()
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (values shape, used shape or None, layout)
+CASES = [
+    ((1, 1), (1,), "contiguous"),  # N = 1
+    ((5, 7), (5,), "strided"),  # the first 7 of rows 16 wide (a padded logits buffer)
+    ((3, 6, 50), (3, 6), "contiguous"),  # draft logits (B, R, V) with (B, R) used
+    ((2, 3, 4, 33), (2, 1, 4), "strided"),  # scores (B, O, R, C) with (B, 1, R): a stride-0 order dim
+    ((3, 4, 9), (4,), "permuted"),  # fewer mask dims; leading dims of a transposed buffer
+    ((2, 3, 4, 5, 6), (3, 1, 5), "contiguous"),  # 4 leading dims that do not merge
+    ((4, 300), None, "inner-stride"),  # every row; a non-unit inner stride (copied)
+    ((2, 4100), (2,), "strided"),  # more than one 4096-wide tile per row
+]
+POISONS = ["clean", "nan", "+inf", "all--inf", "-inf-but-one-finite", "-inf-entries"]
+BAD = {"nan", "+inf", "all--inf"}
+
+
+def _ids(case) -> str:
+    shape, used, layout = case
+    return f"{'x'.join(map(str, shape))}-used{'x'.join(map(str, used)) if used else 'None'}-{layout}"
+
+
+def _values(shape, layout, dtype, g):
+    N = shape[-1]
+    if layout == "strided":
+        return (torch.randn(*shape[:-1], N + 9, generator=g) * 4).to(dtype)[..., :N]
+    if layout == "permuted":
+        return (torch.randn(shape[1], shape[0], *shape[2:], generator=g) * 4).to(dtype).transpose(0, 1)
+    if layout == "inner-stride":
+        return (torch.randn(*shape, 2, generator=g) * 4).to(dtype)[..., 0]
+    return (torch.randn(*shape, generator=g) * 4).to(dtype)
+
+
+def _poison(values, row, col, poison) -> None:
+    """Write ``poison`` into one row (an index of the leading dims) of ``values`` at column ``col``, in place."""
+    if poison == "nan":
+        values[row][col] = float("nan")
+    elif poison == "+inf":
+        values[row][col] = float("inf")
+    elif poison == "all--inf":
+        values[row] = float("-inf")
+    elif poison == "-inf-but-one-finite":
+        values[row] = float("-inf")
+        values[row][col] = 1.5
+    elif poison == "-inf-entries":
+        values[row][::2] = float("-inf")
+        values[row][-1] = 0.25
+
+
+def _triton_flag(values, used, flag) -> torch.Tensor:
+    """flags.flag_nonfinite on the Triton device; the flag after it."""
+    flag = flag.to(DEVICE)
+    flags.flag_nonfinite(values.to(DEVICE), None if used is None else used.to(DEVICE), flag)
+    return flag.cpu()
+
+
+def _reference_flag(values, used, flag) -> torch.Tensor:
+    flag = flag.clone()
+    ref.flag_nonfinite(values, used, flag)
+    return flag
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_flag_nonfinite_matches_reference(case, dtype, poison):
+    shape, used_shape, layout = case
+    lead = shape[:-1]
+    seen = set()
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        values = _values(shape, layout, dtype, g)
+        used = None if used_shape is None else torch.rand(used_shape, generator=g) < 0.5
+        want_used = used is None or seed % 2 == 0  # poison a used row, then an unused one
+        if used is not None and not bool((used == want_used).any()):
+            used.view(-1)[0] = want_used
+        full = torch.ones(lead, dtype=torch.bool) if used is None else used.expand(lead)
+        rows = (full if want_used else ~full).nonzero()
+        row = tuple(rows[torch.randint(0, rows.shape[0], (), generator=g)].tolist())
+        _poison(values, row, shape[-1] // 2 if seed < 2 else shape[-1] - 1, poison)  # the last tile too
+        flag = torch.zeros((), dtype=torch.bool)
+        want = _reference_flag(values, used, flag)
+        assert bool(want) == (poison in BAD and want_used)  # the reference agrees with the case's intent
+        got = _triton_flag(values, used, flag)
+        assert got.dtype == torch.bool and got.shape == ()
+        assert bool(got) == bool(want), f"seed {seed}: row {row} (used: {want_used})"
+        seen.add(bool(got))
+    if poison in BAD and used_shape is not None:
+        assert seen == {True, False}
+
+
+@pytest.mark.parametrize("shape", [(0, 7), (2, 0, 5), (3, 7)], ids=["no-rows", "no-rows-3d", "clean"])
+def test_flag_nonfinite_never_clears_the_flag(shape):
+    values = torch.randn(shape)
+    used = torch.ones(shape[:-1], dtype=torch.bool)
+    for start in (False, True):
+        flag = torch.tensor(start)
+        assert bool(_triton_flag(values, used, flag)) == start
+        assert bool(_reference_flag(values, used, flag)) == start
+
+
+def test_flag_nonfinite_leaves_values_and_mask_unchanged():
+    values = torch.randn(3, 4, 40)
+    values[1, 2, 5] = float("nan")
+    used = torch.rand(3, 4) < 0.5
+    before = values.clone(), used.clone()
+    _triton_flag(values, used, torch.zeros((), dtype=torch.bool))
+    assert torch.equal(used, before[1]) and torch.equal(values.isnan(), before[0].isnan())
+    assert torch.equal(values.nan_to_num(), before[0].nan_to_num())
+
+
+# (B, T, known kind)
+STATUS_CASES = [
+    (1, 0, "none"),
+    (1, 1, "unknown"),
+    (1, 600, "ragged"),  # two column tiles
+    (3, 0, "none"),
+    (4, 5, "known"),
+    (4, 5, "unknown"),
+    (20, 700, "ragged"),  # three row tiles, two column tiles
+    (9, 33, "one-row"),  # a single unfinished row, not the first
+    (6, 40, "strided"),  # the first 40 of rows 64 wide
+    (5, 30, "transposed"),  # a column-major mask (copied)
+]
+
+
+def _known(B, T, kind, g) -> torch.Tensor:
+    if kind == "strided":
+        return (torch.rand(B, 64, generator=g) < 0.6)[:, :T]
+    if kind == "transposed":
+        return (torch.rand(T, B, generator=g) < 0.6).t()
+    known = torch.rand(B, T, generator=g) < 0.6
+    if kind in ("known", "none"):
+        return torch.ones(B, T, dtype=torch.bool)
+    if kind == "unknown":
+        return torch.zeros(B, T, dtype=torch.bool)
+    if kind == "one-row":
+        known = torch.ones(B, T, dtype=torch.bool)
+        known[B // 2, 3:7] = False
+    return known
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "flagged"])
+@pytest.mark.parametrize("case", STATUS_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-{c[2]}")
+def test_burst_status_matches_reference(case, bad, poisoned_empty):
+    B, T, kind = case
+    for seed in range(2):
+        known = _known(B, T, kind, torch.Generator().manual_seed(seed))
+        flag = torch.tensor(bad)
+        got = flags.burst_status(known.to(DEVICE), flag.to(DEVICE)).cpu()
+        want = ref.burst_status(known, flag)
+        left = (~known).sum(1)
+        assert want.tolist() == [int(left.max()) if B else 0, int((left > 0).sum()), int(bad)]
+        assert got.dtype == torch.int64 and got.shape == (3,)
+        assert torch.equal(got, want), f"seed {seed}: {got.tolist()} != {want.tolist()}"
+
+
+BOOL, FLAG = torch.zeros(2, 3, dtype=torch.bool), torch.zeros((), dtype=torch.bool)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((torch.zeros(2, 3).numpy(), None, FLAG), TypeError, "values must be a"),
+    ((torch.zeros(2, 3, dtype=torch.float64), None, FLAG), ValueError, "values must be a"),
+    ((torch.zeros(2, 0), None, FLAG), ValueError, "values must be a .* N >= 1"),
+    ((torch.zeros(2, 3), [True, False], FLAG), TypeError, "used must be None or a torch.Tensor"),
+    ((torch.zeros(2, 3), torch.ones(2), FLAG), ValueError, "used must be None or a bool tensor"),
+    ((torch.zeros(2, 3), torch.ones(3, dtype=torch.bool), FLAG), ValueError, "used must be .* broadcastable"),
+    ((torch.zeros(2, 3), torch.ones(1, 2, dtype=torch.bool), FLAG), ValueError, "used must be .* broadcastable"),
+    ((torch.zeros(2, 3), None, False), TypeError, "flag must be a torch.Tensor"),
+    ((torch.zeros(2, 3), None, torch.zeros(1, dtype=torch.bool)), ValueError, "flag must be a \\(\\) bool"),
+    ((torch.zeros(2, 3), None, torch.zeros(())), ValueError, "flag must be a \\(\\) bool"),
+], ids=["values-not-tensor", "values-float64", "values-empty-rows", "used-list", "used-float", "used-shape",
+        "used-more-dims", "flag-bool", "flag-shape", "flag-float"])
+def test_flag_nonfinite_rejects_bad_inputs(args, error, match):
+    with pytest.raises(error, match=match):
+        flags.flag_nonfinite(*args)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((BOOL.tolist(), FLAG), TypeError, "known must be a"),
+    ((BOOL.long(), FLAG), ValueError, "known must be a \\(B, T\\) bool"),
+    ((BOOL[0], FLAG), ValueError, "known must be a \\(B, T\\) bool"),
+    ((BOOL, torch.tensor(1)), ValueError, "flag must be a \\(\\) bool"),
+], ids=["known-list", "known-int", "known-1d", "flag-int"])
+def test_burst_status_rejects_bad_inputs(args, error, match):
+    with pytest.raises(error, match=match):
+        flags.burst_status(*args)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on a NaN model's logits
+@pytest.mark.parametrize("broken", [False, True], ids=["finite-model", "nan-model"])
+def test_steps_flag_on_the_triton_path(broken):
+    """burst_step's status and ar_step's plan flag through the Triton ops: 1 exactly for a NaN model."""
+    from sigmafast import steps
+    from sigmafast.engine import NeuralSession
+    from sigmafast.request import draw, draw_burst
+
+    T = 6
+    model = tiny_model(5, T, seed=2, std=0.5, dtype=torch.float32).to(DEVICE)
+    if broken:
+        with torch.no_grad():
+            model.h[0].mlp.c_fc.weight.fill_(float("nan"))
+    known = torch.zeros(2, T, dtype=torch.bool, device=DEVICE)
+    known[0, :2] = True
+    session = NeuralSession(model, 2, T, "triton")
+    with torch.no_grad():
+        session.prefill(torch.zeros(2, T, dtype=torch.long, device=DEVICE), known)
+        _, n, status = steps.burst_step(session, draw_burst(torch.Generator().manual_seed(0), 2, 2, T, DEVICE), T,
+                                        1.0, None, "paper")
+    left = (~session.known).sum(1).cpu()
+    assert status.tolist() == [int(left.max()), int((left > 0).sum()), int(broken)]
+    session = NeuralSession(model, 2, T, "triton")
+    with torch.no_grad():
+        session.prefill(torch.zeros(2, T, dtype=torch.long, device=DEVICE), known)
+        visit = torch.arange(T, device=DEVICE).expand(2, T)
+        plan = steps.ar_plan(visit, draw(torch.Generator().manual_seed(1), (2, T), DEVICE), known.sum(1))
+        steps.ar_step(session, plan, 1.0, None)
+    assert bool(plan.nonfinite) == broken
