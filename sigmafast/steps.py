@@ -162,15 +162,18 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     kernels.flag_nonfinite(drafts.logits, used, bad, backend=backend)
     kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)
     res = accept(session, verified, drafts, tok_o, d.u_accept, remaining, temperature, top_k, rule)
-    rows = torch.arange(B, device=remaining.device)
-    choice = res.best if rule == "paper" else torch.zeros_like(res.best)
-    n = res.n_accept[rows, choice]  # (B,)
-    new_tok = tok_o[rows, choice]  # (B, R)
-    n_commit = n
-    if rule == "lossless":
+    if rule == "paper":
+        rows = torch.arange(B, device=remaining.device)
+        choice = res.best
+        n = n_commit = res.n_accept[rows, choice]  # (B,)
+        new_tok = tok_o[rows, choice]  # (B, R)
+    else:  # lossless: one order, and the residual token at the first rejected step
+        choice = torch.zeros_like(res.best)
+        n = res.n_accept[:, 0]
         r_tok, rejected = residual(session, verified, drafts, choice, n, remaining, d.u_residual, temperature, top_k)
-        at_k = torch.arange(R, device=n.device)[None, :] == n.clamp(max=R - 1)[:, None]
-        new_tok = torch.where(at_k & rejected[:, None], r_tok[:, None], new_tok)
+        # at step n: the rejected one, or one past the commit when every step was accepted (never written)
+        at_n = torch.arange(R, device=n.device)[None, :] == n[:, None]
+        new_tok = torch.where(at_n, r_tok[:, None], tok_o[:, 0])
         n_commit = n + rejected.long()
     session.commit(verified, choice, n_commit, new_tok)
     return n_commit, n, kernels.burst_status(session.known, bad, backend=backend)  # unknown = remaining - n_commit
