@@ -56,7 +56,7 @@ def fused_add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[t
     return kernels.add_layer_norm(x, y, *params, backend="triton")
 
 
-def _traced() -> bool:
+def traced() -> bool:
     """Under autograd or torch.compile, where the eager fast paths step aside: the fused ops have no
     backward, and an out= write or an in-place custom op is functionalised into whole-buffer copies."""
     return torch.is_grad_enabled() or torch.compiler.is_compiling()
@@ -164,7 +164,7 @@ class NeuralSession:
         S == 1: only the last token is fed), and its ``ln_1(x)`` when fused, else None; (B, G, S, C).
         One kernel (``kernels.feed_embedding``) on the Triton path when nothing traces the step and
         dropout is off; eight small ops otherwise."""
-        if self.embedding is not None and self.backend == "triton" and not _traced() and not self.model.training:
+        if self.embedding is not None and self.backend == "triton" and not traced() and not self.model.training:
             return kernels.feed_embedding(self.last_tok, self.last_pos, tokens, orders, *self.embedding,
                                           backend="triton")
         tok, in_pos = kernels.reference.feed_inputs(self.last_tok, self.last_pos, tokens, orders)
@@ -185,7 +185,7 @@ class NeuralSession:
 
     def _add_norm(self):
         """The residual add + norm of this step: fused on the Triton path when nothing traces it."""
-        return fused_add_norm if self.backend == "triton" and not _traced() else add_norm
+        return fused_add_norm if self.backend == "triton" and not traced() else add_norm
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits in the model's dtype (a view of the padded
@@ -205,7 +205,7 @@ class NeuralSession:
         # eager (CUDA graphs): every layer's projection in one buffer, so that commit reads all layers' keys
         # and values from it (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
         # eager only, and not with rotated keys
-        shared = rotary is None and not _traced()
+        shared = rotary is None and not traced()
         keys, values = [], []
 
         def attend(i, q, k, v):  # (B, O, H, R, D)
@@ -231,4 +231,4 @@ class NeuralSession:
         kernels instead of about 30 small ones); the reference under autograd and ``torch.compile``."""
         kernels.commit(verified.orders, choice, n, tokens, verified.keys, verified.values, canvas=self.canvas,
                        known=self.known, last_tok=self.last_tok, last_pos=self.last_pos, k_cache=self.cache.k,
-                       v_cache=self.cache.v, lens=self.cache.lens, backend="reference" if _traced() else self.backend)
+                       v_cache=self.cache.v, lens=self.cache.lens, backend="reference" if traced() else self.backend)

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import kernels
-from .engine import Verified, _traced
+from .engine import Verified, traced
 from .kernels import Acceptance
 from .request import BurstDraws
 
@@ -76,7 +76,7 @@ def _backend(session) -> Optional[str]:
 def _flags_backend(session) -> Optional[str]:
     """The backend of the flag ops: the reference when traced (an in-place custom op would be
     functionalised into copies), else the session's."""
-    return "reference" if _traced() else _backend(session)
+    return "reference" if traced() else _backend(session)
 
 
 def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Optional[int]) -> Drafts:
