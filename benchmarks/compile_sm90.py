@@ -74,7 +74,8 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import accept, attention, commit_step, decide, embed, flags, layer_norm, sampling, topk
+    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, sampling,
+                                   topk)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -117,6 +118,12 @@ def _cases(dtype: torch.dtype):
     yield "non-finite flag, hidden states", lambda hs=h.view(2, 2, 16, C): flags.launch(hs, used.view(2, 2, 16)[:, :1],
                                                                                        flag)
     yield "burst status", lambda: flags.status_launch(torch.rand(8, 1024, generator=g) < 0.5, flag)
+    known = torch.rand(2, 1024, generator=g) < 0.5
+    drafts = (known.to(torch.int8).argsort(dim=1, stable=True)[:, :512], torch.randint(0, V, (2, 512), generator=g),
+              torch.rand(2, 512, generator=g), torch.randint(0, V, (2, 1024), generator=g), known,
+              torch.rand(2, 1024, generator=g, dtype=torch.float64),
+              torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :512])
+    yield "drafts along the orders", lambda: along.launch(*drafts)
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

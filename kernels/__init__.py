@@ -7,14 +7,15 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
-``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``flags``; the module names differ from the
+``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``along``, ``flags``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
 so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
-``add_layer_norm``, ``feed_embedding`` and ``commit`` fuse a step's small ops (a
-residual add and its LayerNorm; the input embedding and the first LayerNorm;
-the cache and canvas writes of a commit); ``flag_nonfinite`` and ``burst_status``
+``add_layer_norm``, ``feed_embedding``, ``gather_drafts`` and ``commit`` fuse a
+step's small ops (a residual add and its LayerNorm; the input embedding and the
+first LayerNorm; the drafts read along the orders; the cache and canvas writes
+of a commit); ``flag_nonfinite`` and ``burst_status``
 fuse a step's checks (a non-finite output; the burst status). The functions below
 pick one per call:
 
@@ -101,6 +102,7 @@ def _no_triton(e: ImportError) -> ImportError:
 
 class _Triton(NamedTuple):
     accept: ModuleType
+    along: ModuleType
     attention: ModuleType
     commit_step: ModuleType
     embed: ModuleType
@@ -113,10 +115,10 @@ def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import accept, attention, commit_step, embed, flags, layer_norm, sampling
+        from . import accept, along, attention, commit_step, embed, flags, layer_norm, sampling
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, attention, commit_step, embed, flags, layer_norm, sampling)
+    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, sampling)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -187,6 +189,16 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     return reference.add_layer_norm(x, y, weight, bias, eps)
 
 
+def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders, *, backend: Optional[str] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A burst's (B, R) drafts read along (B, O, S) visiting orders: tokens, log-probs, uniforms and
+    slots; see the reference."""
+    args = (positions, tokens, logp, canvas, known, uniforms, orders)
+    if _resolve(backend, logp) == "triton":
+        return _triton().along.gather_drafts(*args)
+    return reference.gather_drafts(*args)
+
+
 def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight=None, bias=None, eps=1e-5, *,
                    backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """σ-GPT's embedding of the inputs fed along (B, G, S) visiting orders and its LayerNorm, (B, G, S, C)
@@ -236,6 +248,7 @@ __all__ = [
     "commit",
     "feed_embedding",
     "flag_nonfinite",
+    "gather_drafts",
     "residual_sample",
     "sample",
     "use_backend",

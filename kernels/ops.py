@@ -15,6 +15,8 @@ op                                 inputs -> outputs
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
                                    weight, bias -> x, LayerNorm(x) (B, G, S, C)
+``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
+                                   orders (B, O, S) -> tokens, log-probs, uniforms, slots (B, O, S)
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
                                    canvas, known, last token/position, KV caches and lens
 ``sigmafast::flag_nonfinite``      values (..., N), used (broadcast to ...) or None, flag () -> None;
@@ -40,6 +42,7 @@ from torch import Tensor
 
 from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
+from .along import launch as gather_drafts_launch
 from .commit_step import launch as commit_launch
 from .decide import launch as decide_launch
 from .embed import launch as feed_embedding_launch
@@ -154,6 +157,19 @@ def _(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps)
     return x, torch.empty_like(x)
 
 
+@torch.library.custom_op("sigmafast::gather_drafts", mutates_args=())
+def _gather_drafts(positions: Tensor, tokens: Tensor, logp: Tensor, canvas: Tensor, known: Tensor, uniforms: Tensor,
+                   orders: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return gather_drafts_launch(positions, tokens, logp, canvas, known, uniforms, orders)
+
+
+@_gather_drafts.register_fake
+def _(positions, tokens, logp, canvas, known, uniforms, orders):
+    shape = orders.shape
+    return (tokens.new_empty(shape), logp.new_empty(shape), uniforms.new_empty(shape),
+            orders.new_empty(shape, dtype=torch.int64))
+
+
 @torch.library.custom_op("sigmafast::commit",
                          mutates_args=("canvas", "known", "last_tok", "last_pos", "k_cache", "v_cache", "lens"))
 def _commit(orders: Tensor, choice: Tensor, n: Tensor, tokens: Tensor, keys: Tensor, values: Tensor, canvas: Tensor,
@@ -187,5 +203,5 @@ def _(known, flag):
 
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "decide", "add_layer_norm", "feed_embedding", "commit", "flag_nonfinite",
+       "decide", "add_layer_norm", "feed_embedding", "gather_drafts", "commit", "flag_nonfinite",
        "burst_status")

@@ -290,3 +290,22 @@ def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weigh
     if pe_in is not None:
         x = x + torch.cat([F.embedding(in_pos, pe_in), F.embedding(orders, pe_out)], dim=-1)
     return x, F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def along(values: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:
+    """(B, T) values by position -> (B, O, S) in the visiting order of each of the (B, O, S) ``orders``."""
+    B, O, S = orders.shape
+    return values[:, None, :].expand(B, O, values.shape[1]).gather(2, orders)
+
+
+def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders):
+    """Each (B, O, S) order step's draft token, log-prob, uniform and slot in the (B, R) ``positions``:
+    the draft of its position, or at a known position the canvas token, log-prob 0 and slot 0."""
+    B, R = positions.shape
+    slot_of = torch.zeros_like(canvas).scatter(1, positions, torch.arange(R, device=canvas.device).expand(B, R))
+    known_o = along(known, orders)
+    slot_o = along(slot_of, orders).masked_fill(known_o, 0)
+    flat = slot_o.flatten(1)
+    tok_o = torch.where(known_o, along(canvas, orders), tokens.gather(1, flat).view_as(slot_o))
+    logp_o = logp.gather(1, flat).view_as(slot_o).masked_fill(known_o, 0.0)
+    return tok_o, logp_o, along(uniforms, orders), slot_o

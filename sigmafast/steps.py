@@ -44,8 +44,17 @@ def bucket(n: int, cap: int) -> int:
 class Drafts(NamedTuple):
     positions: torch.Tensor  # (B, R) remaining positions first, ascending, then padding
     logits: torch.Tensor  # (B, R, V) draft logits p(x_j | visited)
-    tokens: torch.Tensor  # (B, T) the canvas with the drafts at the queried positions
-    logp: torch.Tensor  # (B, T) log p of each draft, by position
+    tokens: torch.Tensor  # (B, R) the draft at each queried position
+    logp: torch.Tensor  # (B, R) log p of each draft
+
+
+class Along(NamedTuple):
+    """The drafts read along the (B, O, R) visiting orders (``kernels.gather_drafts``)."""
+
+    tokens: torch.Tensor  # (B, O, R) the draft at each step (the canvas token at a known position)
+    logp: torch.Tensor  # (B, O, R) its log p (0 at a known position)
+    u_accept: torch.Tensor  # (B, O, R) the acceptance uniform of the step's position
+    slot: torch.Tensor  # (B, O, R) the step's row of the drafts (0 at a known position)
 
 
 class ARPlan(NamedTuple):
@@ -81,15 +90,12 @@ def _flags_backend(session) -> Optional[str]:
 
 def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Optional[int]) -> Drafts:
     """Sample a draft at each of the first R remaining positions of every row."""
-    canvas, known = session.canvas, session.known
-    B, T = canvas.shape
-    positions = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
+    B = session.known.shape[0]
+    positions = session.known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
     logits = session.draft(positions)  # (B, R, V)
     tok, logp = kernels.sample(logits.flatten(0, 1), u_draft.gather(1, positions).flatten(), temperature, top_k,
                                backend=_backend(session))
-    tokens = canvas.scatter(1, positions, tok.view(B, R))
-    logp = torch.zeros(B, T, dtype=logp.dtype, device=canvas.device).scatter(1, positions, logp.view(B, R))
-    return Drafts(positions, logits, tokens, logp)
+    return Drafts(positions, logits, tok.view(B, R), logp.view(B, R))
 
 
 def orders_of(keys: torch.Tensor, known: torch.Tensor, R: int) -> torch.Tensor:
@@ -97,18 +103,16 @@ def orders_of(keys: torch.Tensor, known: torch.Tensor, R: int) -> torch.Tensor:
     return keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]
 
 
-def along(t: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:
-    """(B, T) values by position -> (B, O, R) in the visiting order of each of the (B, O, R) ``orders``."""
-    B, O, R = orders.shape
-    return t[:, None, :].expand(B, O, t.shape[1]).gather(2, orders)
+def along_orders(session, drafts: Drafts, u_accept: torch.Tensor, orders: torch.Tensor) -> Along:
+    """The drafts and the (B, T) acceptance uniforms read along the (B, O, R) ``orders``."""
+    return Along(*kernels.gather_drafts(drafts.positions, drafts.tokens, drafts.logp, session.canvas, session.known,
+                                        u_accept, orders, backend=_backend(session)))
 
 
-def accept(session, verified: Verified, drafts: Drafts, tok_o: torch.Tensor, u_accept: torch.Tensor,
-           remaining: torch.Tensor, temperature: float, top_k: Optional[int], rule: str) -> Acceptance:
-    """Test every order's drafts ``tok_o`` (B, O, R) against the verifier (from hidden states when the
-    session has them)."""
-    orders = verified.orders
-    args = (tok_o, along(drafts.logp, orders), along(u_accept, orders), remaining, temperature, top_k, rule)
+def accept(session, verified: Verified, along: Along, remaining: torch.Tensor, temperature: float,
+           top_k: Optional[int], rule: str) -> Acceptance:
+    """Test every order's drafts against the verifier (from hidden states when the session has them)."""
+    args = (along.tokens, along.logp, along.u_accept, remaining, temperature, top_k, rule)
     if verified.hidden is not None:
         return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, backend=_backend(session),
                                               vocab_size=session.vocab_size)
@@ -122,20 +126,18 @@ def verifier_logits(session, verified: Verified, index: tuple) -> torch.Tensor:
     return verified.logits[index]
 
 
-def residual(session, verified: Verified, drafts: Drafts, choice: torch.Tensor, n: torch.Tensor,
-             remaining: torch.Tensor, u_residual: torch.Tensor, temperature: float,
-             top_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless rule: at the first rejection (step n < remaining) draw from normalize(max(0, q - p)).
+def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch.Tensor, remaining: torch.Tensor,
+             u_residual: torch.Tensor, temperature: float, top_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless rule (one order): at the first rejection (step n < remaining) draw from
+    normalize(max(0, q - p)).
 
     Returns the (B,) residual tokens and the (B,) bool mask of rows that rejected."""
     R = verified.orders.shape[-1]
     rows = torch.arange(n.shape[0], device=n.device)
-    k = n.clamp(max=R - 1)
-    j = kernels.reference.chosen_order(verified.orders, choice).gather(1, k[:, None])  # (B, 1) rejected position
-    slot = (drafts.positions == j).to(torch.uint8).argmax(1)  # (B,) its draft (0 where it has none: unused)
-    p_rows = drafts.logits[rows, slot]  # (B, V)
-    j = j.squeeze(1)
-    q_rows = verifier_logits(session, verified, (rows, choice, k))
+    k = n.clamp(max=R - 1)[:, None]  # (B, 1) the rejected step (any step where none was: unused)
+    j = verified.orders[:, 0].gather(1, k).squeeze(1)  # (B,) its position
+    p_rows = drafts.logits[rows, along.slot[:, 0].gather(1, k).squeeze(1)]  # (B, V) its draft's logits
+    q_rows = verifier_logits(session, verified, (rows, 0, k.squeeze(1)))
     tok = kernels.residual_sample(q_rows, p_rows, u_residual.gather(1, j[:, None]).squeeze(1), temperature, top_k,
                                   backend=_backend(session))
     return tok, n < remaining
@@ -153,27 +155,27 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     drafts = draft(session, d.u_draft, R, temperature, top_k)
     orders = orders_of(d.keys, session.known, R)  # (B, O, R)
     B = orders.shape[0]
-    tok_o = along(drafts.tokens, orders)  # (B, O, R)
-    verified = session.verify(orders, tok_o)
+    along = along_orders(session, drafts, d.u_accept, orders)
+    verified = session.verify(orders, along.tokens)
     used = torch.arange(R, device=remaining.device)[None, :] < remaining[:, None]  # (B, R)
     scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
     bad = torch.zeros((), dtype=torch.bool, device=remaining.device)
     backend = _flags_backend(session)
     kernels.flag_nonfinite(drafts.logits, used, bad, backend=backend)
     kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)
-    res = accept(session, verified, drafts, tok_o, d.u_accept, remaining, temperature, top_k, rule)
+    res = accept(session, verified, along, remaining, temperature, top_k, rule)
     if rule == "paper":
         rows = torch.arange(B, device=remaining.device)
         choice = res.best
         n = n_commit = res.n_accept[rows, choice]  # (B,)
-        new_tok = tok_o[rows, choice]  # (B, R)
+        new_tok = along.tokens[rows, choice]  # (B, R)
     else:  # lossless: one order, and the residual token at the first rejected step
         choice = torch.zeros_like(res.best)
         n = res.n_accept[:, 0]
-        r_tok, rejected = residual(session, verified, drafts, choice, n, remaining, d.u_residual, temperature, top_k)
+        r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)
         # at step n: the rejected one, or one past the commit when every step was accepted (never written)
         at_n = torch.arange(R, device=n.device)[None, :] == n[:, None]
-        new_tok = torch.where(at_n, r_tok[:, None], tok_o[:, 0])
+        new_tok = torch.where(at_n, r_tok[:, None], along.tokens[:, 0])
         n_commit = n + rejected.long()
     session.commit(verified, choice, n_commit, new_tok)
     return n_commit, n, kernels.burst_status(session.known, bad, backend=backend)  # unknown = remaining - n_commit

@@ -143,6 +143,8 @@ def _backend_calls():
                                                               **kw),
         "burst_status": lambda **kw: kernels.burst_status(u.view(2, 2) > 0.5, torch.zeros_like(u[0], dtype=torch.bool),
                                                           **kw),
+        "gather_drafts": lambda **kw: kernels.gather_drafts(drafts[:, 0], drafts[:, 0], dl[:, 0], drafts[:, 0],
+                                                            drafts[:, 0] > 0, ua[:, 0], drafts, **kw),
     }
 
 
@@ -206,6 +208,11 @@ def test_kernels_are_custom_ops():
                                  torch.tensor([[[True, False, False, True]]]).expand(2, 1, 4),
                                  torch.zeros((), dtype=torch.bool)),),
         "burst_status": tuple(_dev(torch.rand(3, 11, generator=g) < 0.5, torch.ones((), dtype=torch.bool))),
+        "gather_drafts": tuple(_dev(torch.tensor([[1, 3, 0], [2, 0, 1]]), torch.randint(9, (2, 3), generator=g),
+                                    torch.rand(2, 3, generator=g), torch.randint(9, (2, 4), generator=g),
+                                    torch.tensor([[True, False, True, False], [False, False, False, True]]),
+                                    torch.rand(2, 4, generator=g, dtype=torch.float64),
+                                    torch.rand(2, 2, 4, generator=g).argsort(-1)[..., :3])),
     }
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
         torch.library.opcheck(getattr(torch.ops.sigmafast, name).default, args,

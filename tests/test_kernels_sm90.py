@@ -21,6 +21,7 @@ KERNELS = {
     "_residual_kernel", "_logq_finish_kernel", "_draft_argmax_kernel", "_radix_hist_kernel", "_radix_select_kernel",
     "_lm_head_logq_kernel", "_commit_kv_kernel", "_commit_state_kernel", "_add_layer_norm_kernel",
     "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel", "_burst_status_kernel",
+    "_gather_drafts_kernel",
 }
 
 
