@@ -14,9 +14,10 @@ finished or padding rows, are handled by masks:
 - acceptance counts steps only below each row's remaining count, so a
   padded step is never accepted and never committed.
 
-The burst iteration is ``draft`` → ``verify`` → ``accept`` → (``residual``) →
-``commit`` (the session's: it writes the canvas and the KV cache). See
-:mod:`sigmafast.sampler` for the randomness protocol.
+The burst iteration is ``draft`` → ``along_orders`` (the drafts read along the
+orders) → ``verify`` → ``accept`` → (``residual``) → ``commit`` (the session's:
+it writes the canvas and the KV cache). See :mod:`sigmafast.sampler` for the
+randomness protocol.
 """
 
 from __future__ import annotations
