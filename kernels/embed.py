@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layer_norm import MAX_WIDTH, config, normalize
+from .layer_norm import MAX_WIDTH, check_norm, config, normalize
 from .utils import check_float
 
 _INT = (torch.int64, torch.int32)
@@ -164,15 +164,7 @@ def feed_embedding(
     if pe_in is not None:
         _check_table("pe_in", pe_in, C // 2, wte.dtype, device)
         _check_table("pe_out", pe_out, C // 2, wte.dtype, device)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (C,) or not t.is_floating_point()
-                              or t.device != device):
-            raise ValueError(f"{name} must be None or a float ({C},) tensor on {device}, got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
-    if bias is not None and bias.stride(0) != 1:
-        bias = bias.contiguous()
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    bias = check_norm(weight, bias, eps, C, device)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight,

@@ -106,6 +106,19 @@ def launch(x, y, weight, bias, eps):
     return s, h
 
 
+def check_norm(weight, bias, eps, C: int, device) -> Optional[torch.Tensor]:
+    """Validate a LayerNorm's (C,) weight and bias (each may be None) and eps; returns the bias with a
+    unit stride, as the kernels read it."""
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (C,) or not t.is_floating_point()
+                              or t.device != device):
+            raise ValueError(f"{name} must be None or a float ({C},) tensor on {device}, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    return bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+
+
 def add_layer_norm(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -127,15 +140,7 @@ def add_layer_norm(
     C = x.shape[-1]
     if not 1 <= C <= MAX_WIDTH:
         raise ValueError(f"x's last dimension must be in [1, {MAX_WIDTH}], got {C}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (C,) or not t.is_floating_point()
-                              or t.device != x.device):
-            raise ValueError(f"{name} must be None or a float ({C},) tensor on {x.device}, got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
-    if bias is not None and bias.stride(0) != 1:
-        bias = bias.contiguous()
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    bias = check_norm(weight, bias, eps, C, x.device)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.add_layer_norm(x, y, weight, bias, float(eps))

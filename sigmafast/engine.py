@@ -159,23 +159,31 @@ class NeuralSession:
         self.canvas, self.known = self.canvas[rows], self.known[rows]
         self.last_tok, self.last_pos = self.last_tok[rows], self.last_pos[rows]
 
-    def feed(self, orders: torch.Tensor, tokens: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def feed(self, orders: torch.Tensor, tokens: Optional[torch.Tensor]
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The first block's input x along (B, G, S) visiting orders, given the tokens at them (None when
-        S == 1: only the last token is fed), and its ``ln_1(x)`` when fused, else None; (B, G, S, C).
-        One kernel (``kernels.feed_embedding``) on the Triton path when nothing traces the step and
-        dropout is off; eight small ops otherwise."""
-        if self.embedding is not None and self.backend == "triton" and not traced() and not self.model.training:
-            return kernels.feed_embedding(self.last_tok, self.last_pos, tokens, orders, *self.embedding,
+        S == 1: only the last token is fed), its ``ln_1(x)`` when fused (else None), (B, G, S, C) each,
+        and the (B, G, S) input positions when they were needed (a RoPE model, or the unfused path; else
+        None). The embedding is one kernel (``kernels.feed_embedding``) on the Triton path when nothing
+        traces the step and dropout is off; eight small ops otherwise."""
+        model = self.model
+        fused = self.embedding is not None and self.backend == "triton" and not traced() and not model.training
+        tok = in_pos = None
+        if model.config.rotary or not fused:
+            tok, in_pos = kernels.reference.feed_inputs(self.last_tok, self.last_pos, tokens, orders)
+        if fused:
+            x, h = kernels.feed_embedding(self.last_tok, self.last_pos, tokens, orders, *self.embedding,
                                           backend="triton")
-        tok, in_pos = kernels.reference.feed_inputs(self.last_tok, self.last_pos, tokens, orders)
-        return self.model.embed(tok, in_pos, orders), None
+            return x, h, in_pos
+        return model.embed(tok, in_pos, orders), None, in_pos
 
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, R) queried positions -> (B, R, V) logits of p(x_j | visited)."""
         B, R = positions.shape
         model, cache = self.model, self.cache
-        x, h = (t if t is None else t.view(B, R, -1) for t in self.feed(positions[..., None], None))
-        rotary = model.rotary(self.last_pos[:, None].expand(B, R), positions)
+        x, h, _ = self.feed(positions[..., None], None)  # (B, R, 1, C): R orders of one step
+        x, h = (t if t is None else t.view(B, R, -1) for t in (x, h))
+        rotary = model.rotary(self.last_pos[:, None].expand(B, R), positions)  # in the (B, H, R, D) layout
 
         def attend(i, q, k, v):  # (B, H, R, D)
             k_cache, v_cache = cache.layer(i)
@@ -197,11 +205,8 @@ class NeuralSession:
         (``drafts`` may be None when R == 1: the last token alone is fed)."""
         B, O, R = orders.shape
         model, cache = self.model, self.cache
-        x, h = self.feed(orders, drafts)  # (B, O, R, C)
-        rotary = None
-        if model.config.rotary:
-            rotary = model.rotary(kernels.reference.feed_inputs(self.last_tok, self.last_pos, drafts, orders)[1],
-                                  orders)
+        x, h, in_pos = self.feed(orders, drafts)  # (B, O, R, C)
+        rotary = None if in_pos is None else model.rotary(in_pos, orders)  # None without RoPE
         # eager (CUDA graphs): every layer's projection in one buffer, so that commit reads all layers' keys
         # and values from it (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
         # eager only, and not with rotated keys

@@ -185,7 +185,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
 def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:
     """Sample the next position of every row in its visiting order, in place; advances ``plan.step``."""
     canvas = session.canvas
-    B, T = canvas.shape
+    B = canvas.shape[0]
     at = plan.step.expand(B, 1)
     j = plan.queue.gather(1, at)  # (B, 1)
     active = plan.live.gather(1, at).squeeze(1)  # (B,)

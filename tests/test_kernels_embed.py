@@ -143,8 +143,12 @@ def test_fused_feed_matches_the_model_embedding(pos_encoding):
             sessions.append(session)
         fast, slow = sessions
         assert fast.embedding is not None
-        x, h = fast.feed(orders, drafts)
+        x, h, fed_pos = fast.feed(orders, drafts)
         tok, in_pos = ref.feed_inputs(fast.last_tok, fast.last_pos, drafts, orders)
+        if model.config.rotary:  # the fused path computes the input positions only for the RoPE angles
+            assert torch.equal(fed_pos, in_pos)
+        else:
+            assert fed_pos is None
         want = model.embed(tok, in_pos, orders)
         assert torch.equal(x, want)
         torch.testing.assert_close(h, model.h[0].ln_1(want), rtol=1e-5, atol=1e-5)
