@@ -212,14 +212,22 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
     return Request(canvas, known, float(temperature), top_k, strategy, order, num_orders, acceptance, generator)
 
 
-def draw(generator: Optional[torch.Generator], shape: tuple, device) -> torch.Tensor:
-    """Uniforms in [0, 1) of ``shape``, drawn on the generator's device in float64, moved to ``device``."""
+def draw(generator: Optional[torch.Generator], shape: tuple, device, out: Optional[torch.Tensor] = None
+         ) -> torch.Tensor:
+    """Uniforms in [0, 1) of ``shape``, drawn on the generator's device in float64, moved to ``device``;
+    written into ``out`` (a contiguous float64 tensor of ``shape`` on ``device``) when given, with the same
+    values."""
     gen_device = generator.device if generator is not None else torch.device("cpu")
+    if out is not None and out.device == gen_device:
+        return torch.rand(shape, generator=generator, dtype=DRAW_DTYPE, out=out)
     u = torch.rand(shape, generator=generator, device=gen_device, dtype=DRAW_DTYPE)
     device = torch.device(device)
-    if device.type == "cuda" and u.device.type == "cpu":
-        return u.pin_memory().to(device, non_blocking=True)  # no host sync for a CPU generator
-    return u.to(device)
+    pinned = device.type == "cuda" and u.device.type == "cpu"
+    if pinned:
+        u = u.pin_memory()  # then no host sync for a CPU generator
+    if out is not None:
+        return out.copy_(u, non_blocking=pinned)
+    return u.to(device, non_blocking=pinned)
 
 
 class BurstDraws(NamedTuple):
@@ -229,14 +237,17 @@ class BurstDraws(NamedTuple):
     u_residual: torch.Tensor  # (B, T)
 
 
-def draw_burst(generator, batch_size: int, num_orders: int, seq_len: int, device) -> BurstDraws:
-    """The four draws of one burst iteration, always all four, in this order."""
+def draw_burst(generator, batch_size: int, num_orders: int, seq_len: int, device,
+               out: Optional[BurstDraws] = None) -> BurstDraws:
+    """The four draws of one burst iteration, always all four, in this order; into the first
+    ``batch_size`` rows of ``out``'s buffers (contiguous, float64, on ``device``) when given."""
     B, O, T = batch_size, num_orders, seq_len
-    u_draft = draw(generator, (B, T), device)
-    keys = draw(generator, (B, O, T), device)
-    u_accept = draw(generator, (B, T), device)
-    u_residual = draw(generator, (B, T), device)
-    return BurstDraws(u_draft, keys, u_accept, u_residual)
+    shapes = ((B, T), (B, O, T), (B, T), (B, T))
+    if out is None:
+        return BurstDraws(*(draw(generator, shape, device) for shape in shapes))
+    for buf, shape in zip(out, shapes):
+        draw(generator, shape, device, out=buf[:B])
+    return out
 
 
 def ar_rank(order: Union[str, torch.Tensor], keys: Optional[torch.Tensor], batch_size: int, seq_len: int,

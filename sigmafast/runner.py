@@ -11,7 +11,7 @@ An :class:`Engine` owns, per model:
 - **CUDA graphs** (on CUDA): a step whose key (shapes, sampling settings) was
   already run once eagerly, which compiled its Triton kernels, is captured
   the second time and replayed from then on. Replays need no host work but
-  copying the iteration's random draws into the static buffers.
+  drawing the iteration's random numbers into the static buffers.
 
 Without buckets (the CPU default, where padding only costs time) the engine
 runs exact shapes eagerly and drops finished rows once they are half of the
@@ -27,7 +27,7 @@ import torch
 
 from . import kernels, steps
 from .engine import NeuralSession
-from .request import BurstDraws, is_sigma_gpt
+from .request import DRAW_DTYPE, BurstDraws, is_sigma_gpt
 
 __all__ = ["Engine", "EagerRunner", "runner_for"]
 
@@ -58,6 +58,10 @@ class EagerRunner:
     def static(self, session, kind: str, tensors: tuple) -> tuple:
         """The tensors a step reads, as the session's static buffers when steps are captured."""
         return tensors
+
+    def draw_buffers(self, session, num_orders: int) -> Optional[BurstDraws]:
+        """The session's static buffers for a burst iteration's draws (None: draw fresh tensors)."""
+        return None
 
     def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
         return steps.burst_step(session, d, R, temperature, top_k, rule)
@@ -188,7 +192,20 @@ class Engine(EagerRunner):
             buffers = self._static[key] = type(tensors)(*(t.clone() for t in tensors))
         else:
             for buf, t in zip(buffers, tensors):
-                buf.copy_(t, non_blocking=True)
+                if buf is not t:  # drawn in place (draw_buffers): nothing to copy
+                    buf.copy_(t, non_blocking=True)
+        return buffers
+
+    def draw_buffers(self, session, num_orders: int) -> Optional[BurstDraws]:
+        if not self.cuda_graphs:
+            return None
+        key = (id(session), f"burst{num_orders}")
+        buffers = self._static.get(key)
+        if buffers is None:
+            B, T = session.canvas.shape
+            zeros = [torch.zeros(shape, dtype=DRAW_DTYPE, device=session.canvas.device)
+                     for shape in ((B, T), (B, num_orders, T), (B, T), (B, T))]
+            buffers = self._static[key] = BurstDraws(*zeros)  # padding rows stay 0
         return buffers
 
     def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
@@ -197,7 +214,7 @@ class Engine(EagerRunner):
         d = self.static(session, f"burst{d.keys.shape[1]}", d)
         key = ("burst", id(session), R, d.keys.shape[1], temperature, top_k, rule)
         out = self._graphs.run(key, lambda: self._burst_step(session, d, R, temperature, top_k, rule))
-        return tuple(t.clone() for t in out)
+        return torch.cat(out).split([t.shape[0] for t in out])  # one copy out of the graph's outputs
 
     def ar(self, session, plan: steps.ARPlan, temperature, top_k) -> None:
         if not self.cuda_graphs:

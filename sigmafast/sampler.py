@@ -216,8 +216,10 @@ def _burst(runner, session, req, canvas, known, on_iteration):
             _write_back(canvas, known, live, session)
             live = keep if live is None else live[keep]
             session.select(keep)
-        d = draw_burst(req.generator, B, req.num_orders, T, device)
-        d = BurstDraws(*(_pad_rows(t, live, session.batch_size) for t in d))
+        buffers = runner.draw_buffers(session, req.num_orders)  # static ones: drawn in place, padded already
+        d = draw_burst(req.generator, B, req.num_orders, T, device, out=buffers)
+        if buffers is None:
+            d = BurstDraws(*(_pad_rows(t, live, session.batch_size) for t in d))
         R = runner.r_bucket(max_left, T)
         n_commit, n, status = runner.burst(session, d, R, req.temperature, req.top_k, req.acceptance)
         calls += 2

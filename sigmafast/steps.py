@@ -165,13 +165,12 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     kernels.flag_nonfinite(drafts.logits, used, bad, backend=backend)
     kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)
     res = accept(session, verified, along, remaining, temperature, top_k, rule)
+    choice = res.best  # (B,) lossless: 0, the only order
     if rule == "paper":
         rows = torch.arange(B, device=remaining.device)
-        choice = res.best
         n = n_commit = res.n_accept[rows, choice]  # (B,)
         new_tok = along.tokens[rows, choice]  # (B, R)
     else:  # lossless: one order, and the residual token at the first rejected step
-        choice = torch.zeros_like(res.best)
         n = res.n_accept[:, 0]
         r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)
         # at step n: the rejected one, or one past the commit when every step was accepted (never written)

@@ -9,7 +9,7 @@ from helpers import tiny_model
 import sigmafast
 from sigmafast import kernels, steps
 from sigmafast.engine import NeuralSession
-from sigmafast.request import draw, draw_burst
+from sigmafast.request import BurstDraws, draw, draw_burst
 
 T = 8
 VOCAB = 5
@@ -31,6 +31,21 @@ def test_batch_bucket(n, want):
     from sigmafast.runner import batch_bucket
 
     assert batch_bucket(n) == want
+
+
+@pytest.mark.parametrize("B,size,O", [(1, 1, 1), (3, 4, 5), (2, 2, 3), (0, 2, 2)])
+def test_draws_into_static_buffers_equal_fresh_draws(B, size, O):
+    """Captured steps read their draws from static buffers: drawing into their first B rows gives the
+    fresh draws' values, leaves the padding rows alone and advances the generator alike."""
+    g_fresh, g = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    fresh = draw_burst(g_fresh, B, O, T, "cpu")
+    buffers = BurstDraws(*(torch.full((size, *t.shape[1:]), float("nan"), dtype=t.dtype) for t in fresh))
+    got = draw_burst(g, B, O, T, "cpu", out=buffers)
+    assert got is buffers
+    for want, buf in zip(fresh, got):
+        assert torch.equal(buf[:B], want)
+        assert buf[B:].isnan().all()
+    assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=g_fresh))
 
 
 def _burst_run(model, step, backend, rule, num_orders, B=4, R=T):
@@ -170,10 +185,13 @@ def test_cuda_graphs_replay_the_eager_tokens(strategy, acceptance, num_orders):
     kwargs = dict(strategy=strategy, acceptance=acceptance, num_orders=num_orders, return_stats=True)
     with kernels.use_backend("triton"):
         assert graphs.backend == "triton"
-        for seed in range(4):  # the first call runs eagerly, later ones capture and replay
+        for seed in range(6):  # the first call runs eagerly, later ones capture and replay
             idx = torch.randint(0, VOCAB, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-            want, s_want = sigmafast.generate(eager, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
-            got, s_got = sigmafast.generate(graphs, idx, 35, generator=torch.Generator().manual_seed(seed), **kwargs)
+            where = "cuda" if seed % 2 else "cpu"  # draws made on the GPU, or on the CPU and copied
+            want, s_want = sigmafast.generate(eager, idx, 35, generator=torch.Generator(where).manual_seed(seed),
+                                              **kwargs)
+            got, s_got = sigmafast.generate(graphs, idx, 35, generator=torch.Generator(where).manual_seed(seed),
+                                            **kwargs)
             assert torch.equal(got, want)
             assert torch.equal(s_got.accepted, s_want.accepted)
     assert graphs._graphs.graphs, "no step was captured"
