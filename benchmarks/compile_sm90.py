@@ -195,6 +195,7 @@ def main() -> None:
     if not (NV_BIN / "ptxas").exists():
         sys.exit(f"triton {triton.__version__} has no bundled ptxas under {NV_BIN}: cannot compile for sm_90")
     rows, errors = compile_all(names)
+    print(f"triton {triton.__version__}, sm_90 (code generation differs between versions: tl.histogram, for one)")
     print(f"{'dtype':5} {'kernel':24} {'regs':>4} {'local':>5} {'shared':>6} {'SASS':>5}  first case")
     for r in rows:
         print(f"{r['dtype']:5} {r['kernel']:24} {r['registers']:4d} {r['local']:5d} {r['shared']:6d} "

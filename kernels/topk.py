@@ -13,14 +13,23 @@ the count from the top reaches the remaining rank is the next digit of the k-th
 largest key. bf16 values need the top 16 bits of their fp32 key (2 passes),
 fp16 the top 24 (3), fp32 all 32 (4).
 
-* ``_radix_hist_kernel``, grid (row blocks, NC): a tile of up to 16 rows ×
-  one aligned window chunk (``vocab.row_window``); one ``tl.histogram`` of the
-  matching keys' digits, each row's offset into its own 256 bins, added into
-  the rows' (256,) int32 counts by atomics on the nonzero bins only (logits
-  fall in few exponent bins, so there are few atomics).
+* ``_radix_hist_kernel``, grid (rows, NC): one row × one aligned window chunk
+  of ``RADIX_CHUNK`` columns (``vocab.row_window``); one ``tl.histogram`` of
+  the matching keys' digits, added into the row's (256,) int32 counts by
+  atomics on the nonzero bins only (logits fall in few exponent bins, so there
+  are few atomics). The keys are uint32 (``order_key32``: one integer op).
 * ``_radix_select_kernel``, grid (row blocks,): picks each row's digit, updates
   its prefix and remaining rank, zeroes the counts for the next pass, and
   writes the float of the prefix (after the last pass, the k-th largest value).
+
+One row per program because of how ``tl.histogram`` compiles. Up to Triton
+3.7 (3.6 is what torch 2.11 brings) it counts by warp ballots: every element
+pays for every bin a thread owns, bins / 32 of them. Four rows of 256 bins
+cost 152 sm_90 SASS instructions per element of an interior chunk; one row,
+67. From Triton 3.8 it is a shared-memory atomic per element, and the count
+falls from 25.5 to 19. bf16 keys under 3.6: 8-bit digits (two passes) cost
+about what 4- to 7-bit digits do in their three or four passes, so the digits
+stay 8 bits (``benchmarks/RESULTS.md``).
 
 Every pass reads each row once, so the threshold costs 2 reads of bf16 logits.
 The launchers call ``threshold``, which takes these kernels on CUDA (not yet
@@ -43,22 +52,22 @@ from .vocab import aligned_rows, is_interior, row_window, split_config, window_m
 
 BINS = tl.constexpr(256)
 DIGIT_BITS = tl.constexpr(8)
-HIST_ROWS = 16  # rows per histogram program: at most 16 * 256 bins held by one program
+RADIX_CHUNK = 4096  # columns per histogram program
 SELECT_ROWS = 16
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 24, torch.float32: 32}  # top key bits that can differ
 
 
 @triton.jit
-def order_key(b_x):
-    """fp32 -> int64 keys in [0, 2^32) with the floats' order (-inf lowest, NaN above +inf)."""
+def order_key32(b_x):
+    """fp32 -> uint32 keys with the floats' order (-inf lowest, NaN above +inf): positive floats get the
+    sign bit set, negative ones every bit flipped."""
     b_i = b_x.to(tl.int32, bitcast=True)
-    b_i = b_i ^ ((b_i >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
-    return b_i.to(tl.int64) + 2147483648
+    return (b_i ^ ((b_i >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def key_value(key):
-    """Inverse of ``order_key``: int64 key -> fp32."""
+    """Inverse of ``order_key32`` for int64 keys in [0, 2^32) -> fp32."""
     b_i = (key - 2147483648).to(tl.int32)
     b_i = b_i ^ ((b_i >> 31) & 0x7FFFFFFF)
     return b_i.to(tl.float32, bitcast=True)
@@ -67,30 +76,28 @@ def key_value(key):
 @triton.jit(do_not_specialize=["s_x", "N", "V", "shift"])
 def _radix_hist_kernel(
     X, PREFIX, HIST, s_x, N, V, shift,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Add the histograms of key digit ``(key >> shift) & 255`` of a (BLOCK_N rows, chunk c) tile, over the
-    keys whose bits above ``shift + 8`` equal their row's prefix, into the rows' (256,) counts. One
-    ``tl.histogram`` of BLOCK_N * 256 bins: row r's digits are offset by r * 256."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n64 = o_n.to(tl.int64)
+    """Add the histogram of key digit ``(key >> shift) & 255`` of chunk c of row n, over the keys whose
+    bits above ``shift + 8`` equal the row's prefix, into the row's (256,) counts."""
+    o_n64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,) this row
     c = tl.program_id(1)
-    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each
+    m_n = o_n64 < N
+    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (1,) each
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    prefix = tl.load(PREFIX + o_n64, mask=m_n, other=0)[:, None]  # (BLOCK_N, 1)
+    prefix = tl.load(PREFIX + o_n64).to(tl.uint32)[:, None]  # (1, 1) resolved key bits (int64 in [0, 2^32))
+    high = ~((tl.full((), 2, tl.uint32) << (shift + DIGIT_BITS - 1)) - 1)  # the bits above the digit (0 at first)
     if is_interior(c, V, BLOCK_V, ALIGN):  # uniform: no column masks inside the rows (vocab.chunk_load)
-        b_key = order_key(tl.load(X + o_base[:, None] + o_b, mask=m_n[:, None], other=0.0).to(tl.float32))
-        m_k = m_n[:, None] & ((b_key >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS)))
+        b_key = order_key32(tl.load(X + o_base[:, None] + o_b).to(tl.float32))
+        m_k = ((b_key ^ prefix) & high) == 0
     else:
-        _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)  # (BLOCK_N, BLOCK_V) each
-        b_key = order_key(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
-        m_k = m_v & ((b_key >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS)))
-    b_d = ((b_key >> shift) & (BINS - 1)).to(tl.int32) + tl.arange(0, BLOCK_N)[:, None] * BINS
-    b_h = tl.histogram(tl.reshape(b_d, [BLOCK_N * BLOCK_V]), BLOCK_N * BINS,
-                       mask=tl.reshape(m_k, [BLOCK_N * BLOCK_V]))  # (BLOCK_N * BINS,)
-    o_h = tl.program_id(0).to(tl.int64) * BLOCK_N * BINS + tl.arange(0, BLOCK_N * BINS)
-    tl.atomic_add(HIST + o_h, b_h, mask=b_h > 0)  # rows past N have no counts
+        _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)  # (1, BLOCK_V) each
+        b_key = order_key32(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
+        m_k = m_v & (((b_key ^ prefix) & high) == 0)
+    b_d = ((b_key >> shift) & (BINS - 1)).to(tl.int32)
+    b_h = tl.histogram(tl.reshape(b_d, [BLOCK_V]), BINS, mask=tl.reshape(m_k, [BLOCK_V]))  # (BINS,)
+    o_h = o_n64 * BINS + tl.arange(0, BINS)
+    tl.atomic_add(HIST + o_h, b_h, mask=b_h > 0)
 
 
 @triton.jit(do_not_specialize=["N", "shift"])
@@ -126,17 +133,17 @@ def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None)
     out = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return out
-    cfg = split_config(V, logits.dtype, block_v)
+    cfg = split_config(V, logits.dtype, block_v or min(RADIX_CHUNK, triton.next_power_of_2(V)))
     logits = aligned_rows(logits, cfg.unit)
     s_x = row_stride(logits) // cfg.unit
     prefix = torch.zeros(N, dtype=torch.int64, device=logits.device)
     krem = torch.full((N,), top_k, dtype=torch.int32, device=logits.device)
     hist = torch.zeros(N, BINS.value, dtype=torch.int32, device=logits.device)
-    rows = min(cfg.block_n, HIST_ROWS)
+    warps = max(1, min(8, cfg.block_v // 512))  # 16 elements per thread
     for shift in range(32 - DIGIT_BITS.value, 31 - KEY_BITS[logits.dtype], -DIGIT_BITS.value):
-        _radix_hist_kernel[(triton.cdiv(N, rows), cfg.nc)](
+        _radix_hist_kernel[(N, cfg.nc)](
             logits, prefix, hist, s_x, N, V, shift,
-            BLOCK_N=rows, BLOCK_V=cfg.block_v, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps,
+            BLOCK_V=cfg.block_v, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=warps,
         )
         _radix_select_kernel[(triton.cdiv(N, SELECT_ROWS),)](prefix, krem, hist, out, N, shift,
                                                               BLOCK_N=SELECT_ROWS, num_warps=4)

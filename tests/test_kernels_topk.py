@@ -42,6 +42,7 @@ CASES = [
     ("randn", 3, 300, 1, 64),  # the max, ragged last chunk
     ("randn", 33, 300, 50, 64),
     ("randn", 4, 5000, 50, None),  # default chunk
+    ("randn", 3, 9000, 7, None),  # default chunk: an interior chunk between two edge ones
     ("negative", 5, 257, 13, 32),
     ("ties", 17, 200, 10, 32),
     ("ties", 6, 200, 199, 16),
