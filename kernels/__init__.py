@@ -25,13 +25,17 @@ pick one per call:
 * else an explicit choice wins: ``use_backend(name)`` (innermost), else the
   ``SIGMAFAST_BACKEND`` environment variable, each one of ``auto``, ``triton``,
   ``reference``;
-* ``auto``: Triton for CUDA tensors, and for any tensor when
-  ``TRITON_INTERPRET=1`` (the CPU tests then run the real kernel code);
+* ``auto``: Triton for CUDA tensors, and for float32 and float16 CPU tensors
+  when ``TRITON_INTERPRET=1`` (the CPU tests then run the real kernel code);
   otherwise the reference, which is the fast CPU path. float64 (which the
-  kernels do not take) always goes to the reference under ``auto``.
+  kernels do not take) always goes to the reference under ``auto``, and so
+  does bfloat16 on the CPU: the interpreter has no bfloat16 arithmetic (its
+  ``tl.dot`` returns garbage in it).
 
 Triton and the kernel modules are imported only when the Triton path is taken,
-so importing this package needs no triton (e.g. on macOS).
+so importing this package needs no triton (e.g. on macOS). The attention,
+acceptance and sampling functions check their arguments the same way on both
+paths (``checks``: the reference also takes float64).
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from . import reference
+from . import checks, reference
 from .reference import Acceptance
 
 BACKENDS = ("auto", "triton", "reference")
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TRITON_DTYPES = checks.FLOAT_DTYPES
+_REF = checks.REFERENCE_DTYPES
 _override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("sigmafast_backend", default=None)
 
 
@@ -77,7 +82,10 @@ def backend_for(t: torch.Tensor) -> str:
     if name == "auto":
         if t.dtype not in _TRITON_DTYPES:
             return "reference"
-        return "triton" if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+        if t.is_cuda:
+            return "triton"
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1" and t.dtype != torch.bfloat16
+        return "triton" if interpreted else "reference"
     if name == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
@@ -125,6 +133,7 @@ def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backen
     """(B, H, R, D) queries over ``cache[:cache_lens]`` plus their own key; see the reference."""
     if _resolve(backend, q) == "triton":
         return _triton().attention.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
+    checks.check_attention(q, k, v, k_cache, v_cache, cache_lens, 4, _REF)
     return reference.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
@@ -132,6 +141,7 @@ def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backe
     """(B, O, H, R, D) orders, causal, over a shared cache prefix; see the reference."""
     if _resolve(backend, q) == "triton":
         return _triton().attention.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
+    checks.check_attention(q, k, v, k_cache, v_cache, cache_lens, 5, _REF)
     return reference.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
@@ -142,6 +152,7 @@ def acceptance(
     """Accept/reject drafts from (B, O, R, V) verifier logits; see the reference."""
     if _resolve(backend, logits) == "triton":
         return _triton().accept.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    checks.check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule, _REF)
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
@@ -157,9 +168,10 @@ def acceptance_from_hidden(
         extra = {} if scoring is None else {"scoring": scoring}
         return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
                   vocab_size=vocab_size, **extra)
-    logits = hidden @ weight.T
-    if vocab_size is not None:
-        logits = logits[..., :vocab_size]
+    V = checks.check_hidden(hidden, weight, vocab_size, _REF)
+    checks.check_scoring(hidden.shape[:3], hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k,
+                         rule)
+    logits = (hidden @ weight.T)[..., :V]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
@@ -170,6 +182,7 @@ def sample(logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[s
     """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference."""
     if _resolve(backend, logits) == "triton":
         return _triton().sampling.sample(logits, uniforms, temperature, top_k)
+    checks.check_sampling(logits, uniforms, temperature, top_k, dtypes=_REF)
     return reference.sample(logits, uniforms, temperature, top_k)
 
 
@@ -178,6 +191,7 @@ def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *
     """Sample from normalize(max(0, q - p)); see the reference."""
     if _resolve(backend, q_logits) == "triton":
         return _triton().sampling.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
+    checks.check_residual(q_logits, p_logits, uniforms, temperature, top_k, dtypes=_REF)
     return reference.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
 
 

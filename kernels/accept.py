@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from .decide import decide
-from .reference import RULES, Acceptance
+from .checks import check_acceptance, check_block_v, check_hidden, check_scoring
+from .reference import Acceptance
 from .topk import threshold
-from .utils import check_block_v, check_float, online_lse, row_stride, rows_ready, vocab_config
+from .utils import online_lse, row_stride, rows_ready, vocab_config
 from .vocab import aligned_rows, chunk_stats, row_masses, row_window, split_config, window_load, window_masks
 
 
@@ -95,34 +96,6 @@ def _logq_finish_kernel(
     tl.store(LOGQ + o_n64, b_xd - r_m - tl.log(r_t), mask=m_n)
 
 
-def _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
-    check_float("logits", logits, 4)
-    _check_scoring(logits.shape[:3], logits.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
-
-
-def _check_scoring(shape, device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
-    """Validate the (B, O, R) = ``shape`` drafting inputs of :func:`acceptance`."""
-    if rule not in RULES:
-        raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
-    B, O, R = shape
-    if not isinstance(drafts, torch.Tensor) or drafts.dtype not in (torch.int32, torch.int64):
-        got = getattr(drafts, "dtype", type(drafts))
-        raise ValueError(f"drafts must be an int64 tensor of shape {(B, O, R)}, got {got}")
-    for name, t in (("drafts", drafts), ("draft_logp", draft_logp), ("uniforms", uniforms)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, O, R) or t.device != device:
-            got = getattr(t, "shape", t)
-            raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {device}, got {got!r:.80}")
-    if not draft_logp.is_floating_point() or not uniforms.is_floating_point():
-        raise ValueError(f"draft_logp and uniforms must be float tensors, got {draft_logp.dtype} and {uniforms.dtype}")
-    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,) or lengths.is_floating_point():
-        got = getattr(lengths, "shape", lengths)
-        raise ValueError(f"lengths must be an int tensor of shape ({B},), got {got!r:.80}")
-    if not float(temperature) >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-
-
 def draft_logq(logits, drafts, temperature, top_k=None, block_v=None) -> torch.Tensor:
     """Launch (no checks): (N, V) logits, (N,) drafts -> (N,) float32 log q of the drafts, or the
     (N,) int64 argmax when ``temperature`` is 0."""
@@ -173,7 +146,7 @@ def acceptance(
     Returns :class:`Acceptance` (logq (B, O, R) in logits' dtype, accept,
     n_accept, best, first_reject), with the reference's semantics.
     """
-    _check(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     check_block_v(block_v)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
@@ -266,18 +239,9 @@ def acceptance_from_hidden(
     """
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-    check_float("hidden", hidden, 4)
-    check_float("weight", weight, 2)
-    if weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
-        raise ValueError(
-            f"weight must be (V, C={hidden.shape[-1]}) {hidden.dtype} on {hidden.device}, "
-            f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
-        )
+    V = check_hidden(hidden, weight, vocab_size)
     B, O, R, C = hidden.shape
-    V = weight.shape[0] if vocab_size is None else vocab_size
-    if isinstance(V, bool) or not isinstance(V, int) or not 1 <= V <= weight.shape[0]:
-        raise ValueError(f"vocab_size must be None or an int in [1, {weight.shape[0]}], got {vocab_size!r}")
-    _check_scoring((B, O, R), hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    check_scoring((B, O, R), hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     greedy = temperature == 0

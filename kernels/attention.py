@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import check_float, check_int, check_same, in_units, min_split_keys, num_sms, strides
+from .checks import check_attention, check_same
+from .utils import in_units, min_split_keys, num_sms, strides
 
 MAX_HEAD_DIM = 256
 
@@ -279,27 +280,8 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
     return out
 
 
-def check_attention_inputs(q, k, v, k_cache, v_cache, cache_lens, ndim: int) -> None:
-    """Validate q, k, v (..., H, R, D) of rank ``ndim`` against caches (B, H, L, D) and lens (B,)."""
-    check_float("q", q, ndim)
-    check_same("k", k, "q", q)
-    check_same("v", v, "q", q)
-    check_float("k_cache", k_cache, 4)
-    check_same("v_cache", v_cache, "k_cache", k_cache)
-    B, H, D = q.shape[0], q.shape[-3], q.shape[-1]
-    if k_cache.dtype != q.dtype or k_cache.device != q.device:
-        raise ValueError(
-            f"k_cache must match q's dtype/device ({q.dtype}, {q.device}), got {k_cache.dtype}, {k_cache.device}"
-        )
-    if (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) != (B, H, D):
-        raise ValueError(f"k_cache must have shape (B={B}, H={H}, L, D={D}), got {tuple(k_cache.shape)}")
-    if D > MAX_HEAD_DIM:
-        raise ValueError(f"head dim D={D} is over the supported maximum {MAX_HEAD_DIM}")
-    check_int("cache_lens", cache_lens, (B,), q.device)
-
-
 def _attention(ndim, q, k, v, k_cache, v_cache, cache_lens, scale, out, num_splits) -> torch.Tensor:
-    check_attention_inputs(q, k, v, k_cache, v_cache, cache_lens, ndim)
+    check_attention(q, k, v, k_cache, v_cache, cache_lens, ndim, max_head_dim=MAX_HEAD_DIM)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")

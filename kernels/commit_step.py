@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import check_int, in_units, strides
+from .checks import check_int
+from .utils import in_units, strides
 
 BLOCK_R = 16  # accepted rows per loop step of the KV copy
 STATE_BLOCK = 64  # steps per loop step of the canvas writes

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_float
 from .layer_norm import MAX_WIDTH, check_norm, config, normalize
-from .utils import check_float
 
 _INT = (torch.int64, torch.int32)
 

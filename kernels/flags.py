@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import FLOAT_DTYPES
+from .checks import FLOAT_DTYPES
 
 BLOCK_B = 8
 BLOCK_T = 512

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import check_float, check_same
+from .checks import check_float, check_same
 
 MAX_WIDTH = 16384
 

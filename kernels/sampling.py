@@ -50,7 +50,8 @@ import triton
 import triton.language as tl
 
 from .topk import threshold
-from .utils import check_block_v, check_float, exp_ftz, row_stride
+from .checks import check_residual, check_sampling
+from .utils import exp_ftz, row_stride
 from .vocab import (
     _residual_mass_kernel, aligned_rows, chunk_stats, residual_lse, residual_probs, row_masses, row_window,
     split_config, window_load, window_masks,
@@ -136,24 +137,6 @@ def _residual_kernel(
                  BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, True, STRIDE_UNIT, ALIGN)
 
 
-def _check_args(logits, uniforms, temperature, top_k, block_v, name="logits") -> None:
-    check_float(name, logits, 2)
-    if not isinstance(uniforms, torch.Tensor) or not uniforms.is_floating_point():
-        raise ValueError(f"uniforms must be a float tensor of shape ({logits.shape[0]},), got {uniforms!r:.60}")
-    if tuple(uniforms.shape) != (logits.shape[0],) or uniforms.device != logits.device:
-        raise ValueError(
-            f"uniforms must have shape ({logits.shape[0]},) on {logits.device}, "
-            f"got {tuple(uniforms.shape)} on {uniforms.device}"
-        )
-    if not float(temperature) >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have a nonempty vocabulary dimension")
-    check_block_v(block_v)
-
-
 def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
     """Launch the sample (``p_logits`` None) or residual kernels, no checks: (N,) tokens and (N,) log-probs
     (residual: None). Temperature 0 is the first argmax of q (log-prob 0), without a kernel."""
@@ -215,7 +198,7 @@ def sample(
     distribution; temperature 0 is greedy (first argmax, log-prob 0).
     ``block_v`` (a power of two) overrides the vocabulary chunk.
     """
-    _check_args(logits, uniforms, temperature, top_k, block_v)
+    check_sampling(logits, uniforms, temperature, top_k, block_v)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.sample(logits, uniforms, float(temperature), top_k, block_v)
@@ -236,10 +219,7 @@ def residual_sample(
     (temperature, top-k) softmaxes. Rows whose residual is all zero sample
     from q; temperature 0 returns argmax q. Returns (N,) int64 tokens.
     """
-    _check_args(q_logits, uniforms, temperature, top_k, block_v, name="q_logits")
-    check_float("p_logits", p_logits, 2)
-    if p_logits.shape != q_logits.shape or p_logits.device != q_logits.device:
-        raise ValueError(f"p_logits must have q_logits' shape {tuple(q_logits.shape)}, got {tuple(p_logits.shape)}")
+    check_residual(q_logits, p_logits, uniforms, temperature, top_k, block_v)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.residual_sample(q_logits, p_logits, uniforms, float(temperature), top_k, block_v)

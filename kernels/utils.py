@@ -1,4 +1,4 @@
-"""Shared pieces of the Triton kernels: input checks, launch helpers, vocabulary helpers.
+"""Shared pieces of the Triton kernels: launch helpers, vocabulary helpers (the input checks are in checks).
 
 Compile-once rules every kernel follows: ``tl.constexpr`` values depend only on
 the dtype, the head dim and the vocabulary tiling; every size, count and
@@ -23,44 +23,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-
-
-def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.shape != ref.shape:
-        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}")
-    if t.dtype != ref.dtype:
-        raise ValueError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{name} must be on {ref.device} like {ref_name}, got {t.device}")
-
-
-def check_int(name: str, t: torch.Tensor, shape: tuple, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != tuple(shape):
-        raise ValueError(
-            f"{name} must be an int32/int64 tensor of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
-        )
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-def check_block_v(block_v: Optional[int]) -> None:
-    if block_v is not None and (isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1
-                                or block_v & (block_v - 1)):
-        raise ValueError(f"block_v must be None or a power of two, got {block_v!r}")
-
 
 def rows_per_program(block_v: int, budget: int = 4096) -> int:
     """Rows per program so that a (rows, BLOCK_V) chunk holds about ``budget`` elements."""

@@ -8,12 +8,13 @@ so the draws live here (see :mod:`sigmafast.sampler` for the protocol).
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
+
+from .kernels.checks import check_temperature
 
 STRATEGIES = ("burst", "autoregressive")
 ACCEPTANCE_RULES = ("paper", "lossless")
@@ -129,9 +130,14 @@ def check_burst_memory(model, batch_size: int, num_orders: int, seq_len: int) ->
                           verifier_logits=backend_for(param) != "triton")
 
 
+def check_callback(on_iteration) -> None:
+    if on_iteration is not None and not callable(on_iteration):
+        raise TypeError(f"on_iteration must be None or a callable (canvas, known), got {type(on_iteration).__name__}")
+
+
 def check_order_tensor(order: torch.Tensor, shape: tuple, name: str = "order") -> torch.Tensor:
     """A (B, T) integer tensor whose rows are permutations of 0..T-1."""
-    if order.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+    if order.is_floating_point() or order.is_complex() or order.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {order.dtype}")
     if tuple(order.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape (B, T) = {tuple(shape)}, got {tuple(order.shape)}")
@@ -181,11 +187,8 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         raise ValueError(f"canvas length {T} exceeds the model's block_size {block_size}")
     bad = known & ((canvas < 0) | (canvas >= vocab_size))
     if bool(bad.any()):
-        raise ValueError(f"known tokens must be ids in [0, vocab_size={vocab_size})")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {temperature}")
+        raise ValueError(f"idx's known tokens must be ids in [0, vocab_size={vocab_size})")
+    check_temperature(temperature)
     if top_k is not None:
         _check_int("top_k", top_k, 1)
     _check_int("num_orders", num_orders, 1)

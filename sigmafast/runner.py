@@ -118,7 +118,7 @@ class Engine(EagerRunner):
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
                  compile_steps: Optional[str] = None, max_sessions: int = 8) -> None:
-        if not is_sigma_gpt(model):
+        if not is_sigma_gpt(model) or getattr(model, "objective", "sigma") != "sigma":
             raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
         on_cuda = next(model.parameters()).is_cuda
         self.model = model

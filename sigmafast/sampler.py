@@ -59,8 +59,8 @@ import torch
 
 from . import kernels
 from .engine import NeuralConditionals
-from .request import (BurstDraws, SampleStats, ar_rank, build_stats, draw, draw_burst, eval_mode, is_sigma_gpt,
-                      nonfinite_error, prepare)
+from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, draw, draw_burst, eval_mode,
+                      is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
 
@@ -117,6 +117,7 @@ def generate(
     target = _model_of(model)
     req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
+    check_callback(on_iteration)
     t0 = time.perf_counter()
     runner = runner_for(model)
     canvas, known_now = req.canvas.clone(), req.known.clone()
@@ -241,7 +242,9 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     engine = model if isinstance(model, Engine) else Engine.for_model(model)
     target = engine.model
     for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__}")
+        if value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     device = next(target.parameters()).device
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
@@ -278,6 +281,8 @@ def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.
     """(B, T, V) probabilities p(x_j | known) for every unknown j in one burst forward; one-hot
     on known positions. Known tokens are fed in ascending position order."""
     model = _model_of(model)
+    if not isinstance(known, torch.Tensor):
+        raise TypeError(f"known must be a (B, T) bool tensor, got {type(known).__name__}")
     req = prepare(model, idx, known=known)
     B, T = req.canvas.shape
     conds = as_conditionals(model)
@@ -312,6 +317,8 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
         order = check_order_tensor(order.to(x.device), x.shape)
     else:
         raise TypeError(f"order must be a str or a (B, T) tensor, got {type(order).__name__}")
+    if T == 0:  # the empty sequence has probability 1
+        return torch.zeros(B, device=x.device)
     with torch.no_grad(), eval_mode(model):
         if is_sigma_gpt(model):
             cfg = model.config

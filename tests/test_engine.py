@@ -134,12 +134,18 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, cuda_graphs=True)
     with pytest.raises(TypeError, match="model must be a SigmaGPT"):
         sigmafast.Engine(object())
+    from sigmafast.diffusion import DiffusionConfig, DiffusionGPT
+
+    with pytest.raises(TypeError, match="model must be a SigmaGPT, got DiffusionGPT"):
+        sigmafast.Engine(DiffusionGPT(model.config, DiffusionConfig(noise="absorbing")))
     with pytest.raises(TypeError, match="compile_steps must be None or a torch.compile backend name"):
         sigmafast.Engine(model, compile_steps=True)
     with pytest.raises(ValueError, match="max_sessions must be an int >= 1"):
         sigmafast.Engine(model, max_sessions=0)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         sigmafast.warmup(model, 0, T)
+    with pytest.raises(TypeError, match="batch_size must be an int >= 1, got float"):
+        sigmafast.warmup(model, 1.0, T)
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         sigmafast.warmup(model, 2, T + 1)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sigmafast
-from helpers import count_variants, triton_device
+from helpers import count_variants, tiny_model, triton_device
 from sigmafast import SigmaGPT, SigmaGPTConfig, kernels
 from sigmafast.kernels import reference as ref
 
@@ -37,6 +37,8 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("SIGMAFAST_BACKEND", "auto")
     assert kernels.backend_for(x) == "triton"  # TRITON_INTERPRET=1
     assert kernels.backend_for(x.double()) == "reference"  # the kernels take no float64
+    assert kernels.backend_for(x.half()) == "triton"
+    assert kernels.backend_for(x.bfloat16()) == "reference"  # the interpreter has no bfloat16
     with kernels.use_backend("reference"):
         assert kernels.backend_for(x) == "reference"
         with kernels.use_backend("triton"):
@@ -53,6 +55,21 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(ValueError, match="use_backend"):
         with kernels.use_backend("cuda"):
             pass
+
+
+def test_auto_gives_a_cpu_bfloat16_model_the_reference_under_the_interpreter(monkeypatch):
+    """The interpreter computes bfloat16 dots wrongly, so ``auto`` must not send CPU bfloat16 to Triton:
+    a bf16 model's conditionals under ``auto`` are the reference's, bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SIGMAFAST_BACKEND", "auto")
+    model = tiny_model(5, 8, seed=0, std=0.5, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    known = torch.zeros(2, 8, dtype=torch.bool)
+    known[1, :3] = True
+    got = sigmafast.conditional_density(model, idx, known)
+    with kernels.use_backend("reference"):
+        want = sigmafast.conditional_density(model, idx, known)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_public_functions_dispatch_to_triton(monkeypatch):
@@ -262,3 +279,61 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
     ops = {f"sigmafast.{name}" for name in
            ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample")}
     assert ops <= traced, f"not in the graph: {ops - traced}"
+
+
+def _attention_args(B=2, H=2, R=3, L=5, D=8, O=None):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn((B, H, R, D) if O is None else (B, O, H, R, D), generator=g)
+    cache = torch.randn(B, H, L, D, generator=g)
+    return [q, q.clone(), q.clone(), cache, cache.clone(), torch.tensor([L] * B)]
+
+
+def _bad_calls():
+    """(id, call(backend), error, match): the same mistake must get the same error on both paths."""
+    x, u = torch.randn(4, 10), torch.rand(4)
+    drafts = x.argmax(-1).view(1, 1, 4)
+    scoring = (drafts, u.view(1, 1, 4), u.view(1, 1, 4))
+    hidden, weight = torch.randn(1, 1, 4, 6), torch.randn(10, 6)
+
+    def attn(i, value, verify=False):
+        def call(backend):
+            args = _attention_args(O=2 if verify else None)
+            for j in (i,) if isinstance(i, int) else i:
+                args[j] = value(args[j])
+            fn = kernels.verify_attention if verify else kernels.burst_attention
+            return fn(*args, backend=backend)
+        return call
+
+    return [
+        ("temperature-negative", lambda b: kernels.sample(x, u, -1.0, backend=b), ValueError, "temperature must be 0"),
+        ("temperature-nan", lambda b: kernels.sample(x, u, float("nan"), backend=b), ValueError, "temperature"),
+        ("temperature-tiny", lambda b: kernels.sample(x, u, 1e-40, backend=b), ValueError, "temperature"),
+        ("temperature-str", lambda b: kernels.sample(x, u, "1", backend=b), TypeError, "temperature"),
+        ("top-k-0", lambda b: kernels.sample(x, u, 1.0, 0, backend=b), ValueError, "top_k must be None or an int"),
+        ("top-k-negative", lambda b: kernels.sample(x, u, 1.0, -1, backend=b), ValueError, "top_k"),
+        ("sample-rank", lambda b: kernels.sample(x[None], u, backend=b), ValueError, "logits must have 2 dim"),
+        ("sample-uniforms", lambda b: kernels.sample(x, u[:3], backend=b), ValueError, "uniforms must have shape"),
+        ("residual-p-rows", lambda b: kernels.residual_sample(x, x[:1], u, backend=b), ValueError, "p_logits must"),
+        ("acceptance-lengths", lambda b: kernels.acceptance(x.view(1, 1, 4, 10), *scoring, torch.tensor([4, 4]),
+                                                            backend=b), ValueError, "lengths must be an int tensor"),
+        ("acceptance-rule", lambda b: kernels.acceptance(x.view(1, 1, 4, 10), *scoring, torch.tensor([4]),
+                                                         rule="best", backend=b), ValueError, "acceptance rule"),
+        ("hidden-weight", lambda b: kernels.acceptance_from_hidden(hidden, weight[:, :5], *scoring, torch.tensor([4]),
+                                                                   backend=b), ValueError, "weight must be"),
+        ("hidden-vocab", lambda b: kernels.acceptance_from_hidden(hidden, weight, *scoring, torch.tensor([4]),
+                                                                  vocab_size=11, backend=b), ValueError, "vocab_size"),
+        ("attention-cache-batch", attn((3, 4), lambda c: c[:1]), ValueError, "k_cache must have shape"),
+        ("attention-lens-shape", attn(5, lambda n: n[:1]), ValueError, "cache_lens must be an int32/int64"),
+        ("attention-lens-float", attn(5, lambda n: n.float()), ValueError, "cache_lens must be an int32/int64"),
+        ("attention-rank", attn(0, lambda q: q[0]), ValueError, "q must have 4 dimensions"),
+        ("verify-rank", attn(0, lambda q: q[:, 0], verify=True), ValueError, "q must have 5 dimensions"),
+        ("attention-int", attn(0, lambda q: q.long()), ValueError, "q must be float32"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", _bad_calls(), ids=lambda c: c[0])
+def test_both_backends_reject_bad_input_alike(case, backend):
+    _, call, error, match = case
+    with pytest.raises(error, match=match):
+        call(backend)

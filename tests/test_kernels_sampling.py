@@ -195,7 +195,7 @@ def test_acceptance_from_hidden(temperature, top_k, rule, scoring, chunk, monkey
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda x, u: sample(x, u, -1.0), "temperature must be >= 0"),
+        (lambda x, u: sample(x, u, -1.0), r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"),
         (lambda x, u: sample(x, u, 1.0, 0), "top_k must be None or an int >= 1"),
         (lambda x, u: sample(x[0], u), "logits must have 2 dimensions"),
         (lambda x, u: sample(x, u[:2]), r"uniforms must have shape \(4,\)"),

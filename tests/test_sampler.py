@@ -84,6 +84,23 @@ def test_log_likelihood_is_the_sum_of_autoregressive_log_probs(model):
     assert torch.allclose(l2r, sigmafast.log_likelihood(model, x, torch.arange(T).expand(3, T)))
 
 
+def test_log_likelihood_of_the_empty_sequence_is_zero(model):
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    assert torch.equal(sigmafast.log_likelihood(model, empty, "left-to-right"), torch.zeros(2))
+    assert torch.equal(sigmafast.log_likelihood(model, empty, torch.zeros(2, 0, dtype=torch.long)), torch.zeros(2))
+
+
+def test_density_and_likelihood_name_their_bad_arguments(model):
+    x = torch.zeros(1, T, dtype=torch.long)
+    with pytest.raises(TypeError, match="known must be a"):
+        sigmafast.conditional_density(model, x, None)
+    with pytest.raises(ValueError, match=r"idx's known tokens must be ids in \[0, vocab_size"):
+        sigmafast.log_likelihood(model, x + VOCAB, "left-to-right")
+    with pytest.raises(TypeError, match="order must be an integer tensor"):
+        sigmafast.log_likelihood(model, x, torch.zeros(1, T))
+    assert sigmafast.log_likelihood(model, x, torch.arange(T, dtype=torch.int8)[None]).shape == (1,)
+
+
 def test_conditional_density_is_one_burst_of_the_model(model):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (2, T), generator=g)
@@ -179,6 +196,7 @@ BAD = [
     pytest.param(dict(idx=torch.zeros(2, dtype=torch.long)), ValueError, "shape", id="1d-idx"),
     pytest.param(dict(temperature=-0.5), ValueError, "temperature", id="negative-temperature"),
     pytest.param(dict(temperature=float("nan")), ValueError, "temperature", id="nan-temperature"),
+    pytest.param(dict(temperature=1e-40), ValueError, "temperature", id="tiny-temperature"),
     pytest.param(dict(top_k=0), ValueError, "top_k", id="top-k-zero"),
     pytest.param(dict(num_orders=0), ValueError, "num_orders", id="no-orders"),
     pytest.param(dict(strategy="beam"), ValueError, "strategy", id="unknown-strategy"),
@@ -189,6 +207,7 @@ BAD = [
                  "permutation", id="order-not-a-permutation"),
     pytest.param(dict(order="left-to-right"), ValueError, "autoregressive", id="burst-with-order"),
     pytest.param(dict(generator=0), TypeError, "generator", id="bad-generator"),
+    pytest.param(dict(on_iteration="print"), TypeError, "on_iteration", id="on-iteration-not-callable"),
 ]
 
 

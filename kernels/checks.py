@@ -1,0 +1,168 @@
+"""Input checks of the public kernel functions, shared by both backends (no triton import).
+
+The Triton launchers call them with their limits (float32/float16/bfloat16,
+the kernels' largest head dim); the dispatching functions of
+``sigmafast.kernels`` call them before the reference too, which also takes
+float64. So a bad argument gets the same clear error whichever backend runs.
+They read shapes, dtypes and devices only, never values: no host sync, and
+``torch.compile`` traces them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from .reference import RULES
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float64,)
+MIN_TEMPERATURE = 1e-6  # below it, logits / T can overflow float32 to inf and the softmax to NaN
+
+
+def check_float(name: str, t, ndim: int, dtypes: tuple = FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        raise ValueError(f"{name} must be {', '.join(names[:-1])} or {names[-1]}, got {t.dtype}")
+
+
+def check_same(name: str, t, ref_name: str, ref: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != ref.shape:
+        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(t.shape)}")
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on {ref.device} like {ref_name}, got {t.device}")
+
+
+def check_int(name: str, t, shape: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"{name} must be an int32/int64 tensor of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
+        )
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_block_v(block_v: Optional[int]) -> None:
+    if block_v is not None and (isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1
+                                or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be None or a power of two, got {block_v!r}")
+
+
+def check_temperature(temperature) -> None:
+    """0 (greedy) or a finite number >= MIN_TEMPERATURE."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                         f"got {temperature!r}")
+
+
+def check_top_k(top_k) -> None:
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+
+
+def check_attention(q, k, v, k_cache, v_cache, cache_lens, ndim: int, dtypes: tuple = FLOAT_DTYPES,
+                    max_head_dim: Optional[int] = None) -> None:
+    """q, k, v (..., H, R, D) of rank ``ndim`` against caches (B, H, L, D) and lens (B,)."""
+    check_float("q", q, ndim, dtypes)
+    check_same("k", k, "q", q)
+    check_same("v", v, "q", q)
+    check_float("k_cache", k_cache, 4, dtypes)
+    check_same("v_cache", v_cache, "k_cache", k_cache)
+    B, H, D = q.shape[0], q.shape[-3], q.shape[-1]
+    if k_cache.dtype != q.dtype or k_cache.device != q.device:
+        raise ValueError(
+            f"k_cache must match q's dtype/device ({q.dtype}, {q.device}), got {k_cache.dtype}, {k_cache.device}"
+        )
+    if (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) != (B, H, D):
+        raise ValueError(f"k_cache must have shape (B={B}, H={H}, L, D={D}), got {tuple(k_cache.shape)}")
+    if max_head_dim is not None and D > max_head_dim:
+        raise ValueError(f"head dim D={D} is over the supported maximum {max_head_dim}")
+    check_int("cache_lens", cache_lens, (B,), q.device)
+
+
+def check_sampling(logits, uniforms, temperature, top_k, block_v=None, name: str = "logits",
+                   dtypes: tuple = FLOAT_DTYPES) -> None:
+    """(N, V) logits and (N,) float uniforms."""
+    check_float(name, logits, 2, dtypes)
+    if not isinstance(uniforms, torch.Tensor) or not uniforms.is_floating_point():
+        raise ValueError(f"uniforms must be a float tensor of shape ({logits.shape[0]},), got {uniforms!r:.60}")
+    if tuple(uniforms.shape) != (logits.shape[0],) or uniforms.device != logits.device:
+        raise ValueError(
+            f"uniforms must have shape ({logits.shape[0]},) on {logits.device}, "
+            f"got {tuple(uniforms.shape)} on {uniforms.device}"
+        )
+    check_temperature(temperature)
+    check_top_k(top_k)
+    if logits.shape[1] == 0:
+        raise ValueError(f"{name} must have a nonempty vocabulary dimension")
+    check_block_v(block_v)
+
+
+def check_residual(q_logits, p_logits, uniforms, temperature, top_k, block_v=None,
+                   dtypes: tuple = FLOAT_DTYPES) -> None:
+    """(N, V) q and p logits and (N,) uniforms."""
+    check_sampling(q_logits, uniforms, temperature, top_k, block_v, "q_logits", dtypes)
+    check_float("p_logits", p_logits, 2, dtypes)
+    if p_logits.shape != q_logits.shape or p_logits.device != q_logits.device:
+        raise ValueError(f"p_logits must have q_logits' shape {tuple(q_logits.shape)} on {q_logits.device}, "
+                         f"got {tuple(p_logits.shape)} on {p_logits.device}")
+
+
+def check_scoring(shape, device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
+    """The (B, O, R) = ``shape`` drafting inputs of an acceptance."""
+    if rule not in RULES:
+        raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
+    B, O, R = shape
+    if not isinstance(drafts, torch.Tensor) or drafts.dtype not in (torch.int32, torch.int64):
+        got = getattr(drafts, "dtype", type(drafts))
+        raise ValueError(f"drafts must be an int64 tensor of shape {(B, O, R)}, got {got}")
+    for name, t in (("drafts", drafts), ("draft_logp", draft_logp), ("uniforms", uniforms)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, O, R) or t.device != device:
+            got = getattr(t, "shape", t)
+            raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {device}, got {got!r:.80}")
+    if not draft_logp.is_floating_point() or not uniforms.is_floating_point():
+        raise ValueError(f"draft_logp and uniforms must be float tensors, got {draft_logp.dtype} and {uniforms.dtype}")
+    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,) or lengths.is_floating_point():
+        got = getattr(lengths, "shape", lengths)
+        raise ValueError(f"lengths must be an int tensor of shape ({B},), got {got!r:.80}")
+    if lengths.device != device:
+        raise ValueError(f"lengths must be on {device}, got {lengths.device}")
+    check_temperature(temperature)
+    check_top_k(top_k)
+
+
+def check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
+                     dtypes: tuple = FLOAT_DTYPES) -> None:
+    """(B, O, R, V) verifier logits and the drafting inputs."""
+    check_float("logits", logits, 4, dtypes)
+    check_scoring(logits.shape[:3], logits.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+
+
+def check_hidden(hidden, weight, vocab_size, dtypes: tuple = FLOAT_DTYPES) -> int:
+    """(B, O, R, C) hidden states and a (V', C) LM-head weight; returns the vocabulary size V."""
+    check_float("hidden", hidden, 4, dtypes)
+    check_float("weight", weight, 2, dtypes)
+    if weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
+        raise ValueError(
+            f"weight must be (V, C={hidden.shape[-1]}) {hidden.dtype} on {hidden.device}, "
+            f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+        )
+    V = weight.shape[0] if vocab_size is None else vocab_size
+    if isinstance(V, bool) or not isinstance(V, int) or not 1 <= V <= weight.shape[0]:
+        raise ValueError(f"vocab_size must be None or an int in [1, {weight.shape[0]}], got {vocab_size!r}")
+    return V
