@@ -337,3 +337,17 @@ def test_both_backends_reject_bad_input_alike(case, backend):
     _, call, error, match = case
     with pytest.raises(error, match=match):
         call(backend)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_drafts_outside_the_vocabulary_are_rejected_on_both_backends(backend, temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 1, 4, 10, generator=g)
+    drafts = torch.tensor([[[3, -1, 10, 2]]])
+    logp, u = torch.full((1, 1, 4), -5.0), torch.full((1, 1, 4), 0.5)
+    res = kernels.acceptance(logits, drafts, logp, u, torch.tensor([4]), temperature, rule="lossless",
+                             backend=backend)
+    assert not res.accept[0, 0, 1:3].any()
+    if temperature:
+        assert torch.isinf(res.logq[0, 0, 1:3]).all() and (res.logq[0, 0, 1:3] < 0).all()
