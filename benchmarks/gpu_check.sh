@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: the CUDA tests, the fused step kernels' tests compiled, the engine and kernel
+# One call on a lent GPU: the CUDA tests, the fused step kernels' and radix top-k tests compiled, the engine and kernel
 # benchmarks, a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
@@ -29,7 +29,8 @@ for part in ${GPU_PARTS:-tests fused engine kernels profile inductor}; do
     tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
     fused) run fused "${GPU_FUSED_LIMIT:-90}" python -m pytest tests/test_kernels_commit.py \
         tests/test_kernels_layer_norm.py tests/test_kernels_decide.py \
-        tests/test_kernels_embed.py tests/test_kernels_flags.py tests/test_kernels_along.py -q -p no:cacheprovider -rs ;;
+        tests/test_kernels_embed.py tests/test_kernels_flags.py tests/test_kernels_along.py tests/test_kernels_topk.py \
+        -q -p no:cacheprovider -rs ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/engine.json" -k "${GPU_ENGINE_K:-not inductor}" ;;
     engine-ar) run engine-ar "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
