@@ -68,6 +68,11 @@ class SampleArgs:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
         if self.length is not None and self.infill is None:
             raise ValueError("--length is the canvas length of --infill: pass --infill, or --max-new-tokens instead")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        if self.max_new_tokens is not None and self.infill is not None:
+            raise ValueError("--max-new-tokens is for --prompt and unconditional sampling: with --infill the "
+                             "template's '_' positions and --length set what is generated")
         if self.length is not None and self.length < 1:
             raise ValueError(f"--length must be >= 1, got {self.length}")
         check_device(self.device)
@@ -175,6 +180,9 @@ def run(args: SampleArgs) -> int:
         kwargs["known"] = known.expand(B, -1).to(args.device)
     else:
         prompt = task.encode(args.prompt) if args.prompt is not None else []
+        if args.max_new_tokens is None and len(prompt) > T:
+            raise ValueError(f"--prompt is {len(prompt)} tokens long, longer than the model's sequence length "
+                             f"({T} tokens): shorten it")
         idx = torch.tensor(prompt, dtype=torch.long).expand(B, len(prompt)).to(args.device)
         kwargs["max_new_tokens"] = args.max_new_tokens if args.max_new_tokens is not None else T - len(prompt)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)

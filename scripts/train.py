@@ -1,8 +1,8 @@
 """Train a σ-GPT: ``python scripts/train.py --task permutation --preset tiny --max-iters 300``.
 
 Every flag is a field of :class:`sigmafast.train.TrainConfig` (``--max-iters`` is
-``max_iters``). Under ``torchrun --nproc_per_node=N`` the same command trains
-with DistributedDataParallel.
+``max_iters``); with ``--resume`` every flag left out takes the checkpoint's value. Under
+``torchrun --nproc_per_node=N`` the same command trains with DistributedDataParallel.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One kebab-case flag per :class:`TrainConfig` field; ``None`` defaults mean the preset's value."""
-    parser = _Parser(description=__doc__.splitlines()[0])
+    """One kebab-case flag per :class:`TrainConfig` field. A flag left out is absent from the parsed namespace
+    (``TrainConfig`` gives it the field's default), so that ``--resume`` knows which flags the user gave
+    (:meth:`TrainConfig.explicit_fields`); ``None`` defaults mean the preset's value."""
+    parser = _Parser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         annotation = hints[f.name]
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f.metadata.get("help", "")
         if f.default is not None:
             help_text += f" (default: {f.default})"
-        kwargs = {"default": f.default, "help": help_text}
+        kwargs = {"help": help_text}
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -53,6 +55,9 @@ def main(argv: typing.Optional[list[str]] = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the run diverged
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 130 if result.interrupted else 0
 
 

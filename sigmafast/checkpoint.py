@@ -73,8 +73,12 @@ def check_device(device) -> torch.device:
 def read_checkpoint(path) -> dict:
     """The raw checkpoint dict at ``path`` (tensors on CPU); clear errors when missing or foreign."""
     path = Path(path)
+    if path.is_dir():
+        inside = path / CKPT_NAME
+        hint = f": pass the checkpoint file, {inside}" if inside.is_file() else ", not a checkpoint file"
+        raise FileNotFoundError(f"no checkpoint at {path}: it is a directory{hint}")
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}: train without --resume first, or fix --out-dir")
+        raise FileNotFoundError(f"no checkpoint at {path}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several unrelated types for corrupt or foreign files
@@ -85,6 +89,20 @@ def read_checkpoint(path) -> dict:
     missing = REQUIRED_KEYS - set(ckpt) if isinstance(ckpt, dict) else REQUIRED_KEYS
     if missing:
         raise ValueError(f"{path} is not a sigmafast checkpoint: missing {sorted(missing)}")
+    return ckpt
+
+
+def read_resumed(cfg: TrainConfig) -> dict:
+    """The checkpoint ``--resume`` continues; clear errors when there is none, or when ``cfg`` names another
+    task than the one it was written for."""
+    path = checkpoint_path(cfg.out_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}: train without --resume first, or fix --out-dir")
+    ckpt = read_checkpoint(path)
+    stored_task = ckpt["task"]["name"]
+    if "task" in cfg.explicit_fields() and cfg.task != stored_task:
+        raise ValueError(f"--task {cfg.task!r}: checkpoint {path} was written for task {stored_task!r}; leave "
+                         "--task out to continue that run, or pass another --out-dir")
     return ckpt
 
 

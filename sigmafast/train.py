@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import diffusion, orders
 from .checkpoint import (
-    atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_checkpoint,
-    rng_state, set_rng_state, stored_model_config, task_record,
+    atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_resumed, rng_state,
+    set_rng_state, stored_model_config, task_record,
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
@@ -185,7 +185,7 @@ class _Trainer:
         from .tasks import get_task
 
         self.layout, self.stop, self.device = layout, stop, layout.device
-        ckpt = read_checkpoint(checkpoint_path(user_cfg.out_dir)) if user_cfg.resume else None
+        ckpt = read_resumed(user_cfg) if user_cfg.resume else None
         if ckpt is not None:  # the fields left unset continue the stored run
             user_cfg = resume_config(user_cfg, ckpt["train_config"], stored_model_config(ckpt).to_dict())
         task_kwargs = user_cfg.task_kwargs()
@@ -257,6 +257,16 @@ class _Trainer:
     def _info(self, msg: str, *args) -> None:
         if self.layout.is_main:
             log.info(msg, *args)
+
+    def check_finite(self, it: int) -> None:
+        """Raise ``FloatingPointError`` when a weight is NaN or infinite (one host sync), so that neither the
+        evaluation nor a checkpoint sees a diverged model; all ranks must call it."""
+        if not torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all().item():
+            raise self._diverged(f"non-finite weights at iter {it}")
+
+    def _diverged(self, what: str) -> FloatingPointError:
+        kept = f"{self.path} is left as it was" if self.path.is_file() else "no checkpoint was written"
+        return FloatingPointError(f"{what}: the run diverged; {kept}. Lower --lr or --grad-clip, or change --seed")
 
     def save(self, it: int) -> None:
         """Write ``ckpt.pt`` (rank 0) with every rank's RNG state; all ranks must call it."""
@@ -344,6 +354,8 @@ class _Trainer:
 
     def _log(self, it: int, loss: torch.Tensor, window_steps: int, window_start: float) -> None:
         loss_value = self.layout.mean(loss).item()
+        if not math.isfinite(loss_value):
+            raise self._diverged(f"training loss {loss_value} at iter {it}")
         window_time = time.perf_counter() - window_start
         cfg = self.cfg
         tokens_per_s = self.tokens_per_step * window_steps / max(window_time, 1e-9)
@@ -372,12 +384,19 @@ class _Trainer:
                    f"order {cfg.order}" if cfg.objective == "sigma" else f"diffusion ({cfg.diffusion_noise} noise)",
                    self.tokens_per_step, self.device,
                    f" x{self.layout.world_size} ranks" if self.layout.distributed else "")
+        if self.start_iter >= cfg.max_iters:
+            if self.layout.is_main:
+                log.warning("nothing to train: the checkpoint is at iter %d and max_iters is %d; pass a larger "
+                            "--max-iters to train on", self.start_iter, cfg.max_iters)
+            self.model.eval()
+            return TrainResult(self.model, self.task, self.history, self.path, [], False)
         self._prepare_eval()
         self.model.train()
         it, stopped = self.start_iter, False
         window_steps, window_start = 0, time.perf_counter()
         while it < cfg.max_iters and not stopped:
             if it % cfg.eval_interval == 0:
+                self.check_finite(it)
                 self.evaluate(it)
                 if it > self.start_iter:
                     self.save(it)
@@ -389,6 +408,7 @@ class _Trainer:
                 window_steps, window_start = 0, time.perf_counter()
             it += 1
             stopped = self.layout.any(self.stop.requested)
+        self.check_finite(it)
         if not stopped:
             self.evaluate(it)
         if it > self.start_iter:

@@ -11,6 +11,8 @@ are known.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -82,6 +84,21 @@ def _field(default, help_text: str, choices: Optional[tuple] = None):
 _PRESET = " (default: the preset's)"
 
 
+def _record_explicit(cls):
+    """Wrap the dataclass ``__init__`` of ``cls`` so that each instance knows which fields its caller passed
+    (``self._explicit``), before ``__post_init__`` fills in any default."""
+    init, names = cls.__init__, [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        self._explicit = frozenset(names[:len(args)]) | frozenset(kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_record_explicit
 @dataclass
 class TrainConfig:
     task: str = _field("permutation", "task", TASK_NAMES)
@@ -148,7 +165,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), hints[f.name])
+            value = getattr(self, f.name)
+            _check_type(f.name, value, hints[f.name])
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value!r}")
         _check_choice("task", self.task, TASK_NAMES)
         if self.preset is None:
             self.preset = default_preset(self.task)
@@ -195,6 +215,11 @@ class TrainConfig:
                 f"TrainConfig.n_embd ({arch['n_embd']}) must be divisible by 2*n_head ({2 * arch['n_head']})"
             )
 
+    def explicit_fields(self) -> frozenset:
+        """The fields passed to the constructor: on ``--resume`` these override the checkpoint's values (even
+        one equal to its default), the others take the checkpoint's."""
+        return self._explicit
+
     def recipe(self) -> dict:
         """The task recipe's defaults that apply with this config's preset (see :data:`TASK_RECIPES`)."""
         recipe = TASK_RECIPES.get(self.task, {})
@@ -215,7 +240,8 @@ class TrainConfig:
 
     def task_kwargs(self) -> dict:
         """Keyword arguments for ``get_task(self.task, **kwargs)``: the task fields that are set."""
-        return {k: getattr(self, k) for k in ("seq_len", "text", "data_dir", "csv", "column") if getattr(self, k) is not None}
+        names = ("seq_len", "text", "data_dir", "csv", "column")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -277,31 +303,31 @@ def _check_range(name: str, value, low: float, strict: bool = False) -> None:
 # Training fields' values before any recipe set them: what a checkpoint that lacks the field was trained with.
 _BASE_DEFAULTS = {"order": "random", "curriculum_start": 0.5, "embedding_lr_scale": 1.0, "final_norm_lr_scale": 1.0,
                   "loss_weighting": "uniform"}
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 # Fields derived from another one when unset: (derived, source).
 _DERIVED = (("lr_decay_iters", "max_iters"), ("min_lr", "lr"), ("grad_accum", "batch_size"))
 
 
 def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict) -> TrainConfig:
-    """``cfg`` for ``--resume``: every field left unset takes the checkpoint's value, so that the run goes on
-    as it was started even when a later version changed the presets or the task recipes.
+    """``cfg`` for ``--resume``: every field the user did not set (:meth:`TrainConfig.explicit_fields`) takes
+    the checkpoint's value, so that the run goes on as it was started, even when a later version changed the
+    presets or the task recipes. ``out_dir`` and ``resume`` stay ``cfg``'s.
 
     ``stored_train`` is the checkpoint's resolved TrainConfig dict and ``stored_model`` its model config dict
     (fields an older checkpoint lacks already at their defaults). The architecture comes from the model that
     was built; training fields the checkpoint lacks take their values from before any recipe
-    (:data:`_BASE_DEFAULTS`). The preset is the checkpoint's unless ``cfg`` names another one than the task's
-    default. A derived field (``lr_decay_iters``, ``min_lr``, ``grad_accum``) whose source the user sets
-    is derived again.
+    (:data:`_BASE_DEFAULTS`), else their defaults. A derived field (``lr_decay_iters``, ``min_lr``,
+    ``grad_accum``) whose source the user sets is derived again.
     """
+    given = cfg.explicit_fields() | {"out_dir", "resume"}
     stored = {**_BASE_DEFAULTS, **{k: v for k, v in stored_train.items() if v is not None}}
     stored.update({k: stored_model[k] for k in ARCH_FIELDS if k in stored_model})
-    values = cfg.to_dict()
-    for name, value in values.items():
-        if value is None and name in stored:
-            values[name] = stored[name]
-    if cfg.preset == default_preset(cfg.task) and stored.get("preset") in PRESETS:
-        values["preset"] = stored["preset"]
+    if stored.get("preset") not in PRESETS:  # a preset removed since: the default of the stored task
+        stored.pop("preset", None)
+    values = {name: value for name, value in cfg.to_dict().items() if name in given}
+    values.update({name: value for name, value in stored.items() if name not in given and name in _FIELDS})
     for derived, source in _DERIVED:
-        if getattr(cfg, derived) is None and getattr(cfg, source) is not None:
+        if derived not in given and source in given:
             values[derived] = None
     return TrainConfig(**values)
 

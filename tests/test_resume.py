@@ -1,8 +1,10 @@
 """Resuming a run: SIGINT / SIGTERM checkpoints, bitwise continuation, and the stored run's config."""
 
+import importlib.util
 import logging
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,14 @@ from sigmafast.train import TrainConfig, train
 from helpers import small_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_script():
+    spec = importlib.util.spec_from_file_location("sigmafast_train_script", REPO / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def losses(result) -> dict[int, float]:
@@ -125,3 +135,94 @@ def test_resume_reads_missing_model_fields_as_their_defaults(tmp_path):
     assert read_checkpoint(first.checkpoint_path)["iter"] == 3
     with pytest.raises(ValueError, match="mlp_ratio: checkpoint 4, now 0"):
         train(small_cfg(tmp_path, task="product", max_iters=4, resume=True, mlp_ratio=0))
+
+
+# A run started with values other than the defaults of task, seed, grad_clip, log_interval, dtype and more.
+OWN_FLAGS = ["--task", "step", "--seq-len", "20", "--seed", "5", "--grad-clip", "0.01", "--log-interval", "2",
+             "--dtype", "float32", "--batch-size", "4", "--warmup-iters", "1", "--eval-interval", "2",
+             "--eval-iters", "1", "--num-eval-samples", "0", "--weight-decay", "0.05", "--beta1", "0.8"]
+
+
+@pytest.mark.parametrize("flags", [
+    OWN_FLAGS,
+    OWN_FLAGS + ["--objective", "diffusion", "--diffusion-noise", "absorbing"],
+], ids=["sigma", "diffusion"])
+def test_script_resume_with_only_out_dir_continues_the_run(flags, tmp_path, capsys):
+    """``--resume --out-dir D --max-iters N``, no other flag: every setting comes from the checkpoint, so
+    the run ends where the uninterrupted one does, bit for bit."""
+    script = train_script()
+    flags = flags + ["--lr-decay-iters", "5"]  # the straight run's schedule in the first part of the split one
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert script.main(flags + ["--max-iters", "5", "--out-dir", str(straight)]) == 0
+    assert script.main(flags + ["--max-iters", "4", "--out-dir", str(split)]) == 0  # at an evaluation
+    assert script.main(["--resume", "--out-dir", str(split), "--max-iters", "5"]) == 0
+    assert "error" not in capsys.readouterr().err
+    a, b = read_checkpoint(straight / "ckpt.pt"), read_checkpoint(split / "ckpt.pt")
+    assert b["iter"] == 5 and b["history"] == a["history"]
+    assert (a["objective"], a["diffusion_config"]) == (b["objective"], b["diffusion_config"])
+    assert a["model"].keys() == b["model"].keys()
+    for name, weight in a["model"].items():
+        assert torch.equal(weight, b["model"][name]), name
+    differ = {k for k in a["train_config"] if a["train_config"][k] != b["train_config"][k]}
+    assert differ - set(train_config.ARCH_FIELDS) == {"out_dir", "resume"}, differ
+
+
+def test_script_flags_given_on_resume_win_even_at_their_defaults(tmp_path):
+    script = train_script()
+    assert script.main(OWN_FLAGS + ["--max-iters", "2", "--out-dir", str(tmp_path)]) == 0
+    assert script.main(["--resume", "--out-dir", str(tmp_path), "--max-iters", "3", "--seed", "1337",
+                        "--grad-clip", "1.0", "--lr", "1e-3"]) == 0
+    stored = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
+    assert (stored["seed"], stored["grad_clip"], stored["lr"], stored["min_lr"]) == (1337, 1.0, 1e-3, 1e-4)
+    assert (stored["task"], stored["weight_decay"], stored["lr_decay_iters"]) == ("step", 0.05, 3)
+
+
+def test_explicit_fields_are_the_ones_passed():
+    assert TrainConfig(seed=1337, lr=None).explicit_fields() == {"seed", "lr"}  # even at their defaults
+    assert TrainConfig("step").explicit_fields() == {"task"} and TrainConfig().explicit_fields() == set()
+    assert train_config.resolve(TrainConfig(), 12).explicit_fields() == set(TrainConfig().to_dict())
+
+
+def test_resume_config_takes_every_field_not_passed_from_the_checkpoint():
+    stored = train_config.resolve(TrainConfig(task="step", seed=5, grad_clip=0.01, objective="diffusion",
+                                              log_interval=3, dtype="float32", compile=True), 100).to_dict()
+    model = {"n_layer": 2}
+    resumed = train_config.resume_config(TrainConfig(out_dir="elsewhere", resume=True), stored, model)
+    assert resumed == TrainConfig(**{**stored, "n_layer": 2, "out_dir": "elsewhere", "resume": True})
+    given = train_config.resume_config(TrainConfig(seed=1337, objective="sigma", max_iters=7), stored, model)
+    assert (given.seed, given.objective, given.grad_clip, given.max_iters, given.lr_decay_iters) \
+        == (1337, "sigma", 0.01, 7, None)  # lr_decay_iters is derived again from the new max_iters
+
+
+@pytest.mark.parametrize("max_iters", [2, 1])
+def test_script_resume_with_nothing_to_train_says_so(max_iters, tmp_path, caplog):
+    script = train_script()
+    assert script.main(OWN_FLAGS + ["--max-iters", "2", "--out-dir", str(tmp_path)]) == 0
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    caplog.clear()
+    caplog.set_level(logging.WARNING, logger="sigmafast.train")
+    assert script.main(["--resume", "--out-dir", str(tmp_path), "--max-iters", str(max_iters)]) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"nothing to train: the checkpoint is at iter 2 and max_iters is {max_iters}; pass a larger --max-iters "
+        "to train on"]
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    caplog.clear()
+    assert script.main(["--resume", "--out-dir", str(tmp_path)]) == 0  # max_iters from the checkpoint: 2
+    assert "max_iters is 2" in caplog.text
+
+
+def test_resume_with_another_task_names_the_checkpoints(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. " * 40)
+    script = train_script()
+    out = ["--out-dir", str(tmp_path / "char")]
+    char = ["--task", "char", "--text", str(text), "--seq-len", "8", "--max-iters", "1", "--eval-iters", "1",
+            "--num-eval-samples", "0", "--batch-size", "4"]
+    assert script.main(char + out) == 0
+    capsys.readouterr()
+    assert script.main(["--task", "step", "--resume", "--max-iters", "2"] + out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --task 'step': checkpoint ") and err.count("\n") == 1, err
+    assert "was written for task 'char'; leave --task out" in err
+    assert script.main(["--resume", "--max-iters", "2"] + out) == 0  # the task, text and seq_len are stored
+    assert read_checkpoint(tmp_path / "char" / "ckpt.pt")["iter"] == 2

@@ -374,6 +374,9 @@ def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(
     pytest.param(["--infill", "0 _ 1", "--length", "-3"], "--length must be >= 1, got -3", id="length-negative"),
     pytest.param(["--length", "5"], "--length is the canvas length of --infill", id="length-without-infill"),
     pytest.param(["--device", "gpu"], "device must be a torch device", id="bad-device"),
+    pytest.param(["--infill", "0 _ 1", "--max-new-tokens", "3"], "--max-new-tokens is for --prompt and "
+                 "unconditional sampling", id="max-new-tokens-with-infill"),
+    pytest.param(["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", id="max-new-tokens-negative"),
     pytest.param(["--device", "cuda"], "CUDA is not available", id="cuda-without-cuda",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")),
 ])
@@ -383,6 +386,29 @@ def test_sample_script_bad_input(argv, match, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert match in err
+
+
+def test_sample_script_checkpoint_errors_name_its_flags(trained_dir, tmp_path, capsys):
+    """A folder, a missing file or a prompt longer than the model: one line naming sample.py's own flags."""
+    from sigmafast.train import TrainConfig, train
+
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. " * 40)
+    train(TrainConfig(task="char", text=str(text), seq_len=8, max_iters=1, batch_size=4, eval_iters=1,
+                      num_eval_samples=0, out_dir=str(tmp_path / "char")))
+    cases = [
+        (["--checkpoint", str(trained_dir)], f"no checkpoint at {trained_dir}: it is a directory: pass the "
+                                              f"checkpoint file, {trained_dir / 'ckpt.pt'}"),
+        (["--checkpoint", str(tmp_path / "none.pt")], f"no checkpoint at {tmp_path / 'none.pt'}"),
+        (["--checkpoint", str(tmp_path / "char" / "ckpt.pt"), "--prompt", "the cat sat"],
+         "--prompt is 11 tokens long, longer than the model's sequence length (8 tokens)"),
+    ]
+    for argv, message in cases:
+        assert _sample_script().main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {message}\n" or err.startswith(f"error: {message}:"), err
+        assert "--resume" not in err and "--out-dir" not in err
+    assert _sample_script().main(["--checkpoint", str(tmp_path / "char" / "ckpt.pt"), "--prompt", "the cat "]) == 0
 
 
 def test_sample_script_defaults_to_exact_sampling():

@@ -217,11 +217,18 @@ def test_grad_accum_must_split_across_ranks():
         (dict(mlp_ratio=0.5), TypeError, "TrainConfig.mlp_ratio must be"),
         (dict(final_norm="rms"), ValueError, "TrainConfig.final_norm"),
         (dict(loss_weighting="visited", objective="diffusion"), ValueError, "applies to objective 'sigma' only"),
+        *[(dict(**{name: value}), ValueError, f"TrainConfig.{name} must be a finite number, got {value}")
+          for name, value in (("lr", math.nan), ("lr", math.inf), ("min_lr", math.nan), ("weight_decay", math.nan),
+                              ("grad_clip", math.nan), ("grad_clip", math.inf), ("embedding_lr_scale", math.nan),
+                              ("final_norm_lr_scale", math.inf), ("beta1", math.nan), ("dropout", math.nan),
+                              ("curriculum_start", math.nan))],
     ],
     ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",
          "curriculum", "min_lr", "dtype", "device", "cuda-index", "pos-encoding", "seq-len", "embedding-init",
          "embedding-lr-scale", "norm-lr-scale-type", "loss-weighting", "loss-weighting-diffusion", "mlp-ratio",
-         "mlp-ratio-type", "final-norm"],
+         "mlp-ratio-type", "final-norm", "nan-lr", "inf-lr", "nan-min-lr", "nan-weight-decay", "nan-grad-clip",
+         "inf-grad-clip", "nan-embedding-lr-scale", "inf-final-norm-lr-scale", "nan-beta1", "nan-dropout",
+         "nan-curriculum-start"],
 )
 def test_config_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -257,14 +264,17 @@ BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "-
         (["--resume", "--out-dir", "{empty}"], "no checkpoint at"),
         (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 1, now 3"),
         (["--resume", "--out-dir", "{trained}", "--seq-len", "10"], "task seq_len: checkpoint 12, now 10"),
-        (["--resume", "--out-dir", "{trained}", "--task", "step"], "task name: checkpoint 'permutation', now 'step'"),
+        (["--resume", "--out-dir", "{trained}", "--task", "step"], "written for task 'permutation'; leave --task out"),
+        (["--weight-decay", "nan"], "TrainConfig.weight_decay must be a finite number, got nan"),
+        (["--lr", "inf"], "TrainConfig.lr must be a finite number, got inf"),
         (["--seq-len", "100000000"], "GiB available: reduce --batch-size"),
         (["--n-embd", "100000", "--n-layer", "100"], "GiB available: reduce --batch-size"),
         pytest.param(["--device", "cuda"], "device 'cuda' requested but CUDA is not available",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
-         "other-arch", "other-seq-len", "other-task", "huge-seq-len", "huge-model", "cuda-without-cuda"],
+         "other-arch", "other-seq-len", "other-task", "nan-weight-decay", "inf-lr", "huge-seq-len", "huge-model",
+         "cuda-without-cuda"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     script = load_script()
@@ -279,6 +289,42 @@ def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert match in err
     assert "Traceback" not in err
+
+
+def nan_loss_from_step(monkeypatch, first: int) -> None:
+    """Training losses turn NaN from optimiser step ``first`` on (one micro-step per step)."""
+    real_loss, calls = train_mod._Trainer._loss, []
+
+    def loss(self, batch):
+        calls.append(None)
+        value = real_loss(self, batch)
+        return value * math.nan if len(calls) > first else value
+
+    monkeypatch.setattr(train_mod._Trainer, "_loss", loss)
+
+
+def test_script_stops_at_a_nan_training_loss_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
+    nan_loss_from_step(monkeypatch, 3)
+    argv = BASE_ARGV + ["--max-iters", "6", "--eval-interval", "2", "--log-interval", "1", "--out-dir", str(tmp_path)]
+    assert load_script().main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: training loss nan at iter 3: the run diverged; ") and err.count("\n") == 1, err
+    assert f"{tmp_path / 'ckpt.pt'} is left as it was" in err
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter"] == 2 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
+
+
+def test_non_finite_weights_stop_the_run_before_a_checkpoint(tmp_path, monkeypatch):
+    """No log line between the NaN step and the next evaluation: the weights' check stops the run there."""
+    nan_loss_from_step(monkeypatch, 3)
+    with pytest.raises(FloatingPointError, match="non-finite weights at iter 4: the run diverged; .* is left as it"):
+        train(small_cfg(tmp_path, max_iters=6, eval_interval=2, log_interval=100))
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter"] == 2 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
+    nan_loss_from_step(monkeypatch, 0)
+    with pytest.raises(FloatingPointError, match="loss nan at iter 0: the run diverged; no checkpoint was written"):
+        train(small_cfg(tmp_path / "new", max_iters=6, eval_interval=2, log_interval=100))
+    assert not (tmp_path / "new" / "ckpt.pt").exists()
 
 
 def test_script_flags_mirror_config(tmp_path):
