@@ -10,6 +10,7 @@ the same ``grad_accum``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -173,10 +174,14 @@ def train(cfg: TrainConfig) -> TrainResult:
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     layout = init_layout(cfg.device)
+    trainer = None
     try:
         with StopRequest() as stop:
-            return _Trainer(cfg, layout, stop).run()
+            trainer = _Trainer(cfg, layout, stop)
+            return trainer.run()
     finally:
+        trainer = None  # its DDP wrapper holds the process group: free it before the group is destroyed,
+        gc.collect()  # not at interpreter exit, where gloo's threads abort the process
         layout.close()
 
 
