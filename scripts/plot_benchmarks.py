@@ -10,8 +10,8 @@ orders (and the lossless rule), with the paper's / theory's step counts and
 the autoregressive step count as vertical lines. Top row: exact oracles;
 bottom row: the small trained models. The throughput figure shows tokens/s
 per strategy. ``steps_quality.png`` (``bench_steps_quality.py``) puts σ-GPT (AR, burst), the exact
-oracle and discrete diffusion on one metric-vs-steps panel per task. Plotting needs matplotlib (``pip install -e ".[plot]"``); the
-markdown tables do not.
+oracle and discrete diffusion on one metric-vs-steps panel per task. Plotting needs matplotlib
+(``pip install -e ".[plot]"``); the markdown tables do not.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ FROM_TEXT_VAL_FRACTION = 0.1
 DOCS_PER_BATCH = 512
 
 
-def load_hf_split(name: str, config: Optional[str], split: str, revision: Optional[str], streaming: bool, num_proc: int):
+def load_hf_split(name: str, config: Optional[str], split: str, revision: Optional[str], streaming: bool,
+                  num_proc: int):
     """A Hugging Face dataset split; ``streaming`` reads it lazily instead of downloading it whole."""
     try:
         import datasets

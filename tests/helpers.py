@@ -186,5 +186,6 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def small_cfg(tmp_path, **kw) -> TrainConfig:
     base = dict(task="permutation", seq_len=12, preset="tiny", n_embd=64, n_head=2, batch_size=8, max_iters=8,
-                warmup_iters=2, eval_interval=4, eval_iters=2, log_interval=1, num_eval_samples=0, out_dir=str(tmp_path))
+                warmup_iters=2, eval_interval=4, eval_iters=2, log_interval=1, num_eval_samples=0,
+                out_dir=str(tmp_path))
     return TrainConfig(**{**base, **kw})

@@ -27,7 +27,8 @@ def quick_start_dir(tmp_path_factory):
     common = dict(task="step", preset="tiny", max_iters=2, batch_size=4, warmup_iters=1, eval_interval=2,
                   eval_iters=1, num_eval_samples=0)
     train(TrainConfig(**common, out_dir=str(root / "out")))
-    train(TrainConfig(**common, objective="diffusion", diffusion_noise="absorbing", out_dir=str(root / "out" / "diffusion")))
+    train(TrainConfig(**common, objective="diffusion", diffusion_noise="absorbing",
+                      out_dir=str(root / "out" / "diffusion")))
     return root
 
 

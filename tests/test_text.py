@@ -162,7 +162,8 @@ def test_openwebtext_max_docs_streams_and_splits_by_document(tmp_path, enc, monk
 
 def test_wikitext103_groups_articles_and_uses_validation_split(tmp_path, enc, monkeypatch):
     def article(title, n):
-        return [f" = {title} = \n", "", *[f" Sentence {i} about {title} . \n" for i in range(n)], " = = Part = = \n", " more . \n"]
+        return [f" = {title} = \n", "", *[f" Sentence {i} about {title} . \n" for i in range(n)], " = = Part = = \n",
+                " more . \n"]
 
     train_lines = [""] + article("Alpha", 3) + article("Beta", 2) + article("Gamma", 4)
     val_lines = [""] + article("Delta", 2)
