@@ -192,6 +192,8 @@ def main() -> None:
     bad = [n for n in names if n not in DTYPES]
     if bad or not names:
         parser.error(f"--dtypes takes names from {sorted(DTYPES)}, got {args.dtypes!r}")
+    if args.json and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: the folder {args.json.parent} does not exist")
     if not (NV_BIN / "ptxas").exists():
         sys.exit(f"triton {triton.__version__} has no bundled ptxas under {NV_BIN}: cannot compile for sm_90")
     rows, errors = compile_all(names)

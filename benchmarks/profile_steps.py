@@ -85,6 +85,10 @@ def main() -> None:
     parser.add_argument("--count-ops", action="store_true", help="count dispatched ops instead of GPU kernels")
     parser.add_argument("--by-line", action="store_true", help="--count-ops: group the ops by source line")
     args = parser.parse_args()
+    for name, low in (("batch", 1), ("remaining", 1), ("orders", 1), ("vocab", 2), ("block_size", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     cuda = torch.cuda.is_available()
     if not cuda and not args.count_ops:
         parser.error("kernel profiles need a CUDA device; without one, pass --count-ops")

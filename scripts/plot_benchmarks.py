@@ -359,7 +359,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not args.json.is_file():
         parser.error(f"{args.json} does not exist; run pytest benchmarks/ --benchmark-only --benchmark-json=PATH")
-    machine, benchmarks = load(args.json)
+    try:
+        machine, benchmarks = load(args.json)
+    except ValueError as e:  # json.JSONDecodeError included
+        parser.error(f"{args.json}: {e}")
     if args.markdown:
         print(markdown(machine, benchmarks))
         return

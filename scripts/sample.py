@@ -5,8 +5,11 @@ Every flag is a field of :class:`SampleArgs`. Three modes:
 - unconditional (default): ``--max-new-tokens`` tokens (the task's length by default);
 - ``--prompt TEXT``: the text, tokenised by the checkpoint's task, then new tokens;
 - ``--infill TEMPLATE``: each ``_`` is one unknown token. For text tasks the text
-  between underscores is tokenised (``"The _ _ _ sat on the mat"``); for the
-  other tasks the template is whitespace-separated token ids and ``_``
+  between underscores is tokenised as it stands, spaces included: with GPT-2's
+  BPE a word carries its leading space, so write ``"The___ sat on the mat"``
+  (three unknown tokens, then " sat"), not ``"The _ _ _ sat"``, whose spaces
+  would be tokens of their own; with the char task one ``_`` is one character.
+  For the other tasks the template is whitespace-separated token ids and ``_``
   (``"3 _ _ 7"``), or, without spaces, one token per character (``"01__1"``).
   A template shorter than ``--length`` (the task's length by default) is padded
   with unknown positions.
@@ -135,7 +138,10 @@ def parse_template(template: str, task, length: int) -> tuple[torch.Tensor, torc
 
 
 def render(task, canvas: torch.Tensor, known: torch.Tensor) -> str:
-    """One row with unknown positions shown as '_'."""
+    """One row with unknown positions shown as '_' (a fixed layout decodes whole, its unknown cells as an
+    out-of-vocabulary id, which the maze shows as '?')."""
+    if task.fixed_length:
+        return task.decode(torch.where(known, canvas, -1))
     if _is_text(task):
         return "".join(task.decode([int(t)]) if k else UNKNOWN for t, k in zip(canvas.tolist(), known.tolist()))
     return " ".join(task.decode([int(t)]) if k else UNKNOWN for t, k in zip(canvas.tolist(), known.tolist()))
@@ -175,6 +181,8 @@ def run(args: SampleArgs) -> int:
     B, T = args.num_samples, task.seq_len
     kwargs: dict = {}
     if args.infill is not None:
+        if task.fixed_length and args.length not in (None, T):
+            raise ValueError(f"task {task.name!r} has a fixed layout of {T} tokens: --length must be {T} or left out")
         tokens, known = parse_template(args.infill, task, T if args.length is None else args.length)
         idx = tokens.expand(B, -1).to(args.device)
         kwargs["known"] = known.expand(B, -1).to(args.device)

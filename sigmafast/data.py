@@ -34,8 +34,8 @@ def gpt2_encoding():
 
     try:
         return tiktoken.get_encoding("gpt2")
-    except Exception as exc:  # network failure while fetching the BPE files
-        raise RuntimeError(
+    except Exception as exc:  # no cached files, and no network to fetch them
+        raise FileNotFoundError(
             "could not load the GPT-2 BPE files for tiktoken; offline, point TIKTOKEN_CACHE_DIR at a "
             f"folder holding tiktoken's cached gpt2 files ({type(exc).__name__}: {exc})"
         ) from exc

@@ -77,8 +77,11 @@ class SigmaGPTConfig:
                 f"SigmaGPTConfig.n_embd ({self.n_embd}) must be divisible by 2*n_head ({2 * self.n_head}): "
                 "the embedding is split in two positional halves and into heads"
             )
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"SigmaGPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"SigmaGPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"SigmaGPTConfig.bias must be True or False, got {self.bias!r}")
         if self.pos_encoding not in POS_ENCODINGS:
             raise ValueError(
                 f"SigmaGPTConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}"
@@ -91,7 +94,8 @@ class SigmaGPTConfig:
             raise ValueError(f"SigmaGPTConfig.final_norm must be one of {FINAL_NORMS}, got {self.final_norm!r}")
         if self.bos_token_id is None:
             self.bos_token_id = self.vocab_size - 1
-        if not isinstance(self.bos_token_id, int) or not 0 <= self.bos_token_id < self.vocab_size:
+        if isinstance(self.bos_token_id, bool) or not isinstance(self.bos_token_id, int) \
+                or not 0 <= self.bos_token_id < self.vocab_size:
             raise ValueError(
                 f"SigmaGPTConfig.bos_token_id must be an int in [0, vocab_size={self.vocab_size}), "
                 f"got {self.bos_token_id!r}"

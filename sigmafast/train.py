@@ -195,6 +195,7 @@ class _Trainer:
             user_cfg = resume_config(user_cfg, ckpt["train_config"], stored_model_config(ckpt).to_dict())
         task_kwargs = user_cfg.task_kwargs()
         self.task = get_task(user_cfg.task, **task_kwargs)
+        self.task.check_data()  # a missing data set fails now, with how to get it
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
         self.task_info = task_record(self.task, task_kwargs)
         self.model_config = build_model_config(cfg, self.task)

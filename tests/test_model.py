@@ -189,7 +189,12 @@ def test_rope_v_outputs_carry_the_offset_of_what_was_read(pos_encoding):
         (dict(vocab_size=1), "vocab_size must be >= 2"),
         (dict(block_size=0), "block_size must be a positive int"),
         (dict(n_layer=2.0), "n_layer must be a positive int"),
-        (dict(dropout=1.0), "dropout must be in"),
+        (dict(dropout=1.0), "dropout must be a number in"),
+        (dict(dropout="0.1"), "dropout must be a number in"),
+        (dict(dropout=None), "dropout must be a number in"),
+        (dict(bias="no"), "bias must be True or False"),
+        (dict(bias=None), "bias must be True or False"),
+        (dict(bos_token_id=True), "bos_token_id must be an int in"),
         (dict(pos_encoding="alibi"), "pos_encoding must be one of"),
         (dict(bos_token_id=11), "bos_token_id must be an int in"),
         (dict(embedding_init="xavier"), "embedding_init must be one of"),
@@ -198,7 +203,8 @@ def test_rope_v_outputs_carry_the_offset_of_what_was_read(pos_encoding):
         (dict(mlp_ratio=True), "mlp_ratio must be an int >= 0"),
         (dict(final_norm="rmsnorm"), "final_norm must be one of"),
     ],
-    ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "pos-encoding", "bos-range", "embedding-init",
+    ids=["odd-heads", "vocab", "block", "float-layers", "dropout", "str-dropout", "none-dropout", "str-bias",
+         "none-bias", "bool-bos", "pos-encoding", "bos-range", "embedding-init",
          "negative-mlp-ratio", "float-mlp-ratio", "bool-mlp-ratio", "final-norm"],
 )
 def test_config_validation(kwargs, match):

@@ -268,6 +268,19 @@ def test_sample_script_parses_infill_templates():
         script.parse_template("0101010", step, 6)
 
 
+def test_sample_script_renders_a_partial_maze():
+    """The live view of a fixed-layout task decodes the whole canvas, its unknown cells as '?'."""
+    from sigmafast.tasks import get_task
+
+    script = _sample_script()
+    maze = get_task("maze", height=5, width=5, n_walls=0, min_distance=2, val_size=8)
+    row = maze.sample_batch(1, "val", torch.Generator().manual_seed(0))[0]
+    known = torch.arange(maze.seq_len) % 3 != 0
+    shown = script.render(maze, row, known)
+    assert shown.count("?") == int((~known).sum())
+    assert script.render(maze, row, torch.ones_like(known)) == maze.decode(row)
+
+
 SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "nonzero")
 
 

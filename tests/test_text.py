@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import sigmafast
 from sigmafast.data import (
     GPT2_EOT,
     MAX_VOCAB_SIZE,
@@ -255,8 +256,9 @@ def test_token_window_can_cover_the_whole_file(tmp_path):
 @pytest.mark.parametrize("name, source_flag", [("owt", ""), ("wikitext103", "--source wikitext103 ")])
 def test_missing_token_files_name_the_prepare_command(name, source_flag, tmp_path):
     data_dir = tmp_path / "nothing" / name
+    task = get_task(name, data_dir=str(data_dir), seq_len=64)  # the files are opened on first use
     with pytest.raises(FileNotFoundError) as info:
-        get_task(name, data_dir=str(data_dir), seq_len=64)
+        task.check_data()
     message = str(info.value)
     assert f"python scripts/prepare_owt.py {source_flag}--data-dir {data_dir}" in message
     assert f"--from-text FILE... --data-dir {data_dir}" in message
@@ -268,9 +270,9 @@ def test_missing_token_files_name_the_prepare_command(name, source_flag, tmp_pat
 def test_default_data_dirs_in_missing_message(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"python scripts/prepare_owt.py --data-dir data/owt"):
-        TokenFileTask("owt")
+        TokenFileTask("owt").check_data()
     with pytest.raises(FileNotFoundError, match=r"--source wikitext103 --data-dir data/wikitext103"):
-        TokenFileTask("wikitext103")
+        TokenFileTask("wikitext103").sample_batch(1)
 
 
 @pytest.mark.parametrize(
@@ -285,7 +287,7 @@ def test_bad_token_files(train_bytes, match, tmp_path):
     _write_split_files(tmp_path, 100, 100)
     (tmp_path / "train.bin").write_bytes(train_bytes)
     with pytest.raises(ValueError, match=match):
-        TokenFileTask("owt", data_dir=tmp_path, seq_len=32)
+        TokenFileTask("owt", data_dir=tmp_path, seq_len=32).check_data()
 
 
 def test_token_ids_beyond_the_vocabulary_are_reported(tmp_path):
@@ -397,3 +399,31 @@ def test_tiny_model_beats_unigram_entropy_on_chars(shakespeare, tmp_path):
     entropy = unigram_entropy(np.frombuffer(train_text.encode("utf-32-le"), dtype=np.uint32))
     last = _train(tmp_path, task="char", text=str(shakespeare), max_iters=300, eval_interval=300)
     assert last["val_loss_l2r"] < entropy - 0.5, (last, entropy)
+
+
+# --- checkpoints without their data -----------------------------------------------------------------------------
+
+
+def test_checkpoints_load_and_sample_without_their_data(tmp_path, enc):
+    """A char or token-file checkpoint needs only itself (and GPT-2's BPE) to load, encode, decode and sample:
+    the text file or the token files may be moved away after training."""
+    import shutil
+
+    from sigmafast.train import TrainConfig, load_checkpoint, train
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 30, encoding="utf-8")
+    data = tmp_path / "owt"
+    _write_split_files(data, 3000, 1000)
+    common = dict(preset="tiny", max_iters=1, batch_size=4, eval_iters=1, num_eval_samples=0)
+    train(TrainConfig(task="char", text=str(text), seq_len=16, out_dir=str(tmp_path / "char"), **common))
+    train(TrainConfig(task="owt", data_dir=str(data), seq_len=16, out_dir=str(tmp_path / "bpe"), **common))
+    text.unlink()
+    shutil.rmtree(data)
+    for name, prompt in (("char", "the lazy "), ("bpe", " the lazy")):
+        model, task, _ = load_checkpoint(tmp_path / name / "ckpt.pt")
+        idx = torch.tensor([task.encode(prompt)])
+        out = sigmafast.generate(model, idx, task.seq_len - idx.shape[1], generator=torch.Generator().manual_seed(0))
+        assert task.decode(out[0]).startswith(prompt)
+        with pytest.raises(FileNotFoundError):
+            task.sample_batch(1)  # batches still need the data

@@ -18,6 +18,7 @@ class Task:
     vocab_size: int
     seq_len: int
     bos: int
+    fixed_length: bool = False  # decode takes exactly seq_len tokens (a layout, such as the maze's)
 
     def sample_batch(
         self, batch_size: int, split: str = "train", generator: Optional[torch.Generator] = None
@@ -38,13 +39,17 @@ class Task:
         """An exact conditional "model" usable by ``sigmafast.generate``."""
         raise NotImplementedError(f"task {self.name!r} has no exact oracle")
 
+    def check_data(self) -> None:
+        """Raise now if the task's data is missing or unusable (tasks that read files do it lazily, so that
+        a checkpoint loads without them); the trainer calls it first."""
+
     def checkpoint_kwargs(self) -> dict:
         """Arguments learned from the data (e.g. quantisation bins) that a checkpoint stores so that
         ``get_task(name, **kwargs, **checkpoint_kwargs())`` rebuilds this exact task; none by default."""
         return {}
 
     def decode(self, tokens) -> str:
-        """Human-readable rendering of one sequence."""
+        """Human-readable rendering of one sequence (of ``seq_len`` tokens when ``fixed_length``)."""
         return " ".join(str(int(t)) for t in tokens)
 
     def encode(self, text: str) -> list[int]:

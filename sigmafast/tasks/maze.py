@@ -75,6 +75,7 @@ class MazeTask(SyntheticTask):
     """Shortest-path mazes (see the module docstring); tokens EMPTY..PATH = 0..4, BOS = 5."""
 
     name = "maze"
+    fixed_length = True
 
     def __init__(
         self,

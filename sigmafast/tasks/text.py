@@ -54,34 +54,62 @@ def _check_seq_len(seq_len) -> int:
 
 
 class CharTask(Task):
-    """Character-level modelling of one UTF-8 text file (``text`` is its path)."""
+    """Character-level modelling of one UTF-8 text file (``text`` is its path).
 
-    def __init__(self, text: Union[str, Path, None] = None, seq_len: int = 256, val_fraction: float = 0.1):
+    ``chars`` (the vocabulary, stored by checkpoints) makes the task usable without the file: encoding,
+    decoding and sampling from a model need only the vocabulary, and the file is read on the first batch.
+    """
+
+    def __init__(self, text: Union[str, Path, None] = None, seq_len: int = 256, val_fraction: float = 0.1,
+                 chars: Optional[str] = None):
         if text is None:
             raise ValueError("the char task needs text=PATH (--text FILE), a UTF-8 text file")
         self.seq_len = _check_seq_len(seq_len)
         if not 0.0 < float(val_fraction) < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-        path = Path(text)
-        content = read_text(path, "char task text file")
+        if chars is not None and (not isinstance(chars, str) or not chars):
+            raise ValueError(f"chars must be a nonempty str (the vocabulary), got {chars!r}")
         self.name = "char"
-        self.path = path
-        codepoints = np.frombuffer(content.encode("utf-32-le"), dtype=np.uint32)
-        unique, ids = np.unique(codepoints, return_inverse=True)  # sorted code points = sorted chars
-        self.chars = [chr(c) for c in unique]
+        self.path = Path(text)
+        self.val_fraction = float(val_fraction)
+        self.chars = sorted(set(self._content)) if chars is None else list(chars)
         self.bos = len(self.chars)
         self.vocab_size = len(self.chars) + 1
         check_vocab_size(self.vocab_size)
         self._index = {c: i for i, c in enumerate(self.chars)}
+        if chars is None:
+            self.check_data()
+
+    @functools.cached_property
+    def _content(self) -> str:
+        return read_text(self.path, "char task text file")
+
+    @functools.cached_property
+    def _data(self) -> dict[str, np.ndarray]:
+        """The text as token ids, cut into train and val; read on first use."""
+        codepoints = np.frombuffer(self._content.encode("utf-32-le"), dtype=np.uint32)
+        unique = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted code points = sorted chars
+        ids = np.searchsorted(unique, codepoints)
+        outside = (ids >= len(unique)) | (unique[np.minimum(ids, len(unique) - 1)] != codepoints)
+        if outside.any():
+            raise ValueError(f"char task: {self.path} holds characters outside the vocabulary of the checkpoint "
+                             f"(e.g. {chr(int(codepoints[outside][0]))!r})")
         ids = ids.astype(TOKEN_DTYPE)
-        cut = int(len(ids) * (1.0 - float(val_fraction)))
-        self._data = {"train": ids[:cut], "val": ids[cut:]}
-        for split, data in self._data.items():
-            if len(data) < self.seq_len:
+        cut = int(len(ids) * (1.0 - self.val_fraction))
+        data = {"train": ids[:cut], "val": ids[cut:]}
+        for split, part in data.items():
+            if len(part) < self.seq_len:
                 raise ValueError(
-                    f"char task: {path} has {len(ids)} characters; its {split} split ({len(data)}) is shorter "
-                    f"than one window of seq_len={self.seq_len}"
+                    f"char task: {self.path} has {len(ids)} characters; its {split} split ({len(part)}) is "
+                    f"shorter than one window of seq_len={self.seq_len}"
                 )
+        return data
+
+    def check_data(self) -> None:
+        self._data  # noqa: B018  (reads and checks the file)
+
+    def checkpoint_kwargs(self) -> dict:
+        return {"chars": "".join(self.chars)}
 
     def sample_batch(self, batch_size: int, split: str = "train", generator: Optional[torch.Generator] = None):
         return sample_windows(self._data[_check_split(split)], batch_size, self.seq_len, generator)
@@ -101,7 +129,10 @@ class CharTask(Task):
 
 
 class TokenFileTask(Task):
-    """GPT-2 BPE token files ``data_dir/{train,val}.bin`` of ``owt`` or ``wikitext103``."""
+    """GPT-2 BPE token files ``data_dir/{train,val}.bin`` of ``owt`` or ``wikitext103``.
+
+    The files are opened on first use (:meth:`check_data`, the first batch): encoding, decoding and
+    sampling from a model need only GPT-2's BPE."""
 
     def __init__(self, name: str = "owt", data_dir: Union[str, Path, None] = None, seq_len: int = 1024):
         if name not in TOKEN_DATASETS:
@@ -111,18 +142,24 @@ class TokenFileTask(Task):
         self.vocab_size = GPT2_VOCAB_SIZE
         self.bos = GPT2_EOT
         self.data_dir = Path(data_dir if data_dir is not None else TOKEN_DATASETS[name]["data_dir"])
+
+    @functools.cached_property
+    def _data(self) -> dict[str, np.ndarray]:
         paths = split_paths(self.data_dir)
         missing = [str(p) for p in paths.values() if not p.is_file()]
         if missing:
             raise FileNotFoundError(self._missing_message(missing))
         try:
-            self._data = {split: load_token_file(path, self.seq_len) for split, path in paths.items()}
+            return {split: load_token_file(path, self.seq_len) for split, path in paths.items()}
         except ValueError as exc:
-            prepare = TOKEN_DATASETS[name]["prepare"].format(data_dir=self.data_dir)
+            prepare = TOKEN_DATASETS[self.name]["prepare"].format(data_dir=self.data_dir)
             raise ValueError(
                 f"{exc}. Rebuild the token files ({prepare} ...), from more text or with a larger --val-fraction "
                 "if a split is too short for seq_len"
             ) from exc
+
+    def check_data(self) -> None:
+        self._data  # noqa: B018  (opens and checks the files)
 
     def _missing_message(self, missing: list[str]) -> str:
         prepare = TOKEN_DATASETS[self.name]["prepare"].format(data_dir=self.data_dir)
