@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import uuid
+import zipfile
 from contextlib import suppress
 from pathlib import Path
 from typing import Optional
@@ -43,6 +45,15 @@ def atomic_save(obj, path) -> Path:
     return path
 
 
+def check_writable(folder) -> None:
+    """Create and remove a temporary file in ``folder``; the ``OSError`` when that fails (a read-only or
+    special folder), so that a run fails at start rather than at its first checkpoint."""
+    probe = Path(folder) / f".write-test.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(probe, "xb"):
+        pass
+    os.unlink(probe)
+
+
 def load_error_reason(error: Exception) -> str:
     """The first sentence of the cause of a ``torch.load`` failure, without PyTorch's advice (which,
     for weights-only loading, is to retry unsafely)."""
@@ -50,7 +61,8 @@ def load_error_reason(error: Exception) -> str:
     marker = "WeightsUnpickler error:"
     if marker in text:
         text = text.split(marker, 1)[1]
-    text = text.strip().split("\n", 1)[0].split(". ", 1)[0].strip().rstrip(".")
+    text = re.sub(r"^\[enforce fail at [^\]]*\][ .]*", "", text.strip())  # c10's source location
+    text = text.split("\n", 1)[0].split(". ", 1)[0].strip().rstrip(".")
     return text or type(error).__name__
 
 
@@ -67,6 +79,8 @@ def check_device(device) -> torch.device:
             raise ValueError(f"device {str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device 'mps' requested but MPS is not available")
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no data, so the model could not run: use device 'cpu' or 'cuda'")
     return dev
 
 
@@ -79,22 +93,41 @@ def read_checkpoint(path) -> dict:
         raise FileNotFoundError(f"no checkpoint at {path}: it is a directory{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    not_torch = not_torch_file(path)
+    if not_torch:
+        raise ValueError(f"{path} is not a readable sigmafast checkpoint: {not_torch}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several unrelated types for corrupt or foreign files
         raise ValueError(
-            f"{path} is not a readable sigmafast checkpoint (corrupt, truncated or written by something else: "
-            f"{load_error_reason(e)})"
+            f"{path} is not a readable sigmafast checkpoint: torch.load failed (corrupt, or written by something "
+            f"else): {load_error_reason(e)}"
         ) from None
-    missing = REQUIRED_KEYS - set(ckpt) if isinstance(ckpt, dict) else REQUIRED_KEYS
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{path} is not a sigmafast checkpoint: it holds a {type(ckpt).__name__}, not a dict")
+    missing = REQUIRED_KEYS - set(ckpt)
     if missing:
-        raise ValueError(f"{path} is not a sigmafast checkpoint: missing {sorted(missing)}")
+        raise ValueError(f"{path} is not a sigmafast checkpoint: missing keys {sorted(missing)}")
     return ckpt
+
+
+def not_torch_file(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be a file of ``torch.save`` (a zip archive), or None when it may be one."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not head:
+        return "the file is empty"
+    if not zipfile.is_zipfile(path):
+        if head.startswith(b"PK"):
+            return "not a complete torch.save file (its zip archive is truncated or damaged)"
+        return f"not a torch.save file (not a zip archive; it starts with {head!r})"
+    return None
 
 
 def read_resumed(cfg: TrainConfig) -> dict:
     """The checkpoint ``--resume`` continues; clear errors when there is none, or when ``cfg`` names another
-    task than the one it was written for."""
+    task or preset than the ones it was written for (the architecture comes from the checkpoint, so another
+    preset would only be recorded, not built)."""
     path = checkpoint_path(cfg.out_dir)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: train without --resume first, or fix --out-dir")
@@ -103,6 +136,11 @@ def read_resumed(cfg: TrainConfig) -> dict:
     if "task" in cfg.explicit_fields() and cfg.task != stored_task:
         raise ValueError(f"--task {cfg.task!r}: checkpoint {path} was written for task {stored_task!r}; leave "
                          "--task out to continue that run, or pass another --out-dir")
+    stored_preset = ckpt["train_config"].get("preset")
+    if "preset" in cfg.explicit_fields() and cfg.preset != stored_preset:
+        raise ValueError(f"--preset {cfg.preset!r}: checkpoint {path} was trained with preset {stored_preset!r}, "
+                         "and the architecture must match on resume; leave --preset out to continue that run, or "
+                         "pass another --out-dir")
     return ckpt
 
 
@@ -129,16 +167,20 @@ def stored_model_config(ckpt: dict) -> SigmaGPTConfig:
     return SigmaGPTConfig.from_dict(ckpt["model_config"])
 
 
+# Model config fields that change no weight, only training: they may differ on resume.
+RESUMABLE_MODEL_FIELDS = frozenset({"dropout"})
+
+
 def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path, objective: str = "sigma",
                      diffusion: Optional[DiffusionConfig] = None) -> None:
     """Raise ``ValueError`` listing every objective, architecture or task field that differs from the
-    checkpoint."""
+    checkpoint (:data:`RESUMABLE_MODEL_FIELDS`, such as dropout, may change)."""
     diffs = []
     was = stored_objective(ckpt)
     if was != (objective, diffusion):
         diffs.append(f"objective: checkpoint {was[0]!r} {was[1]}, now {objective!r} {diffusion}")
     stored, now = stored_model_config(ckpt).to_dict(), model_config.to_dict()
-    for k in sorted(set(stored) | set(now)):
+    for k in sorted((set(stored) | set(now)) - RESUMABLE_MODEL_FIELDS):
         if stored.get(k) != now.get(k):
             diffs.append(f"{k}: checkpoint {stored.get(k)!r}, now {now.get(k)!r}")
     for k in ("name", "seq_len", "vocab_size"):

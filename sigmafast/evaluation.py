@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from . import diffusion, orders
 from .model import SigmaGPT
+from .signals import check_stop
 
 
 @torch.no_grad()
-def estimate_val_loss(model: SigmaGPT, batches, order: str, bos: int, autocast, device) -> float:
-    """Mean loss over ``batches`` in their random order or in left-to-right order."""
+def estimate_val_loss(model: SigmaGPT, batches, order: str, bos: int, autocast, device,
+                      should_stop: Optional[Callable[[], bool]] = None) -> float:
+    """Mean loss over ``batches`` in their random order or in left-to-right order.
+
+    ``should_stop`` is called before each batch; when it returns true the evaluation is abandoned with
+    :class:`~sigmafast.signals.EvaluationStopped`."""
     total = torch.zeros((), device=device)
     for x, rand in batches:
+        check_stop(should_stop)
         sigma = rand if order == "random" else orders.left_to_right(*x.shape)
         tokens, in_pos, out_pos, targets = orders.shuffle(x, sigma, bos, model.config.start_pos)
         with autocast:
@@ -28,15 +36,21 @@ def numeric_metrics(metrics) -> bool:
 
 
 @torch.no_grad()
-def sample_validity(model: torch.nn.Module, task, canvas: torch.Tensor, seed: int, device) -> dict:
+def sample_validity(model: torch.nn.Module, task, canvas: torch.Tensor, seed: int, device,
+                    should_stop: Optional[Callable[[], bool]] = None) -> dict:
     """``task.evaluate`` of sequences sampled around the task's prompt: autoregressively in random
-    order for a σ-GPT, in T steps for a diffusion model."""
+    order for a σ-GPT, in T steps for a diffusion model.
+
+    ``should_stop`` is called before sampling and, for a σ-GPT, after every sampling step; when it returns
+    true the evaluation is abandoned with :class:`~sigmafast.signals.EvaluationStopped`."""
     from .naive import generate
 
+    check_stop(should_stop)
     known = task.prompt_mask.to(device).expand(canvas.shape)  # (N, T)
     g = torch.Generator(device=device).manual_seed(seed)
     if diffusion.objective_of(model) == "diffusion":
         samples = diffusion.generate(model, canvas.to(device), known=known, generator=g)
     else:
-        samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g)
+        samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g,
+                           on_iteration=None if should_stop is None else lambda *_: check_stop(should_stop))
     return task.evaluate(samples.cpu())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import Callable, Optional
 
 log = logging.getLogger("sigmafast.train")
 
@@ -36,3 +37,15 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class EvaluationStopped(Exception):
+    """Raised by the evaluation loops when their ``should_stop()`` turns true: the evaluation is abandoned and
+    its partial results are discarded."""
+
+
+def check_stop(should_stop: Optional[Callable[[], bool]]) -> None:
+    """Raise :class:`EvaluationStopped` when ``should_stop`` is given and returns true (a host-side flag read,
+    no device sync)."""
+    if should_stop is not None and should_stop():
+        raise EvaluationStopped

@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import diffusion, orders
 from .checkpoint import (
-    atomic_save, build_checkpoint, check_compatible, checkpoint_path, load_checkpoint, read_resumed, rng_state,
-    set_rng_state, stored_model_config, task_record,
+    atomic_save, build_checkpoint, check_compatible, check_writable, checkpoint_path, load_checkpoint, read_resumed,
+    rng_state, set_rng_state, stored_model_config, task_record,
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
@@ -35,7 +35,7 @@ from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
 from .loss import step_weights
 from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
-from .signals import StopRequest
+from .signals import EvaluationStopped, StopRequest
 from .train_config import TrainConfig, resolve, resume_config
 
 __all__ = ["TrainConfig", "TrainResult", "train", "load_checkpoint", "learning_rate", "build_model_config"]
@@ -203,10 +203,16 @@ class _Trainer:
         self._info("estimated peak memory %.2f GiB per process", estimate / GIB)
         self.path = checkpoint_path(cfg.out_dir)
         if layout.is_main:  # fail now, not at the first checkpoint after minutes of training
+            if self.path.parent.exists() and not self.path.parent.is_dir():
+                raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} is a file, not a folder")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} cannot be created: {e}") from None
+            try:  # mkdir accepts an existing folder this process cannot write to
+                check_writable(self.path.parent)
+            except OSError as e:
+                raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} is not writable: {e}") from None
         if ckpt is not None:
             check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective,
                              cfg.diffusion_config())
@@ -283,27 +289,43 @@ class _Trainer:
             atomic_save(ckpt, self.path)
             log.info("saved %s at iter %d", self.path, it)
 
+    def _should_stop(self) -> bool:
+        """This process's stop request (a flag read: evaluation polls it between batches, no collective)."""
+        return self.stop.requested
+
     def evaluate(self, it: int) -> None:
-        """Rank 0: validation loss in random and left-to-right order, and sampled validity."""
+        """Rank 0: validation loss in random and left-to-right order, and sampled validity. A stop request
+        abandons it: nothing of it is recorded (history, best validation loss, log)."""
         if not self.layout.is_main or (self.history and self.history[-1]["iter"] == it):
             return
         self.model.eval()
+        try:
+            record, line = self._evaluate(it)
+        except EvaluationStopped:
+            log.warning("evaluation at iter %d abandoned: stopping", it)
+            return
+        finally:
+            self.model.train()
+        for name in self.val_names:
+            self.best_val_loss[name] = min(self.best_val_loss[name], record[f"val_loss_{name}"])
+        self.history.append(record)
+        log.info(line)
+
+    def _evaluate(self, it: int) -> tuple[dict, str]:
         record: dict = {"iter": it}
         for name in self.val_names:
             loss = self._val_loss(name)
             record[f"val_loss_{name}"] = loss
             record[f"val_ppl_{name}"] = math.exp(min(loss, 700.0))
-            self.best_val_loss[name] = min(self.best_val_loss[name], loss)
         line = f"eval iter {it} | val loss " + " | ".join(
             f"{name} {record[f'val_loss_{name}']:.4f} (ppl {record[f'val_ppl_{name}']:.2f})" for name in self.val_names
         )
         if self.canvas is not None:
-            metrics = sample_validity(self.model, self.task, self.canvas, self.cfg.seed, self.device)
+            metrics = sample_validity(self.model, self.task, self.canvas, self.cfg.seed, self.device,
+                                      should_stop=self._should_stop)
             record.update({f"sample_{k}": float(v) for k, v in metrics.items()})
             line += " | " + " ".join(f"{k} {float(v):.3f}" for k, v in metrics.items())
-        self.history.append(record)
-        log.info(line)
-        self.model.train()
+        return record, line
 
     def _val_loss(self, name: str) -> float:
         """Validation loss ``name``: "random" or "l2r" order for a σ-GPT, "diffusion" for a diffusion model
@@ -311,8 +333,10 @@ class _Trainer:
         if name == "diffusion":
             g = _generator(self.cfg.seed, _VAL_STREAM, 1)
             xs = [x for x, _ in self.val_batches]
-            return diffusion_training.estimate_val_loss(self.model, xs, g, self.autocast, self.device)
-        return estimate_val_loss(self.model, self.val_batches, name, self.task.bos, self.autocast, self.device)
+            return diffusion_training.estimate_val_loss(self.model, xs, g, self.autocast, self.device,
+                                                        should_stop=self._should_stop)
+        return estimate_val_loss(self.model, self.val_batches, name, self.task.bos, self.autocast, self.device,
+                                 should_stop=self._should_stop)
 
     def _prepare_eval(self) -> None:
         self.val_batches = self.canvas = None
@@ -404,6 +428,10 @@ class _Trainer:
             if it % cfg.eval_interval == 0:
                 self.check_finite(it)
                 self.evaluate(it)
+                # rank 0 abandons its evaluation on a stop request: all ranks stop before the next step
+                stopped = self.layout.any(self.stop.requested)  # one collective per evaluation
+                if stopped:
+                    break
                 if it > self.start_iter:
                     self.save(it)
                 window_steps, window_start = 0, time.perf_counter()
@@ -417,7 +445,8 @@ class _Trainer:
         self.check_finite(it)
         if not stopped:
             self.evaluate(it)
-        if it > self.start_iter:
-            self.save(it)
+            stopped = self.layout.any(self.stop.requested)  # the final evaluation was abandoned
+        if it > self.start_iter or (stopped and not cfg.resume):  # stopped in the first evaluation: the
+            self.save(it)  # initial state, so that --resume continues this run
         self.model.eval()
         return TrainResult(self.model, self.task, self.history, self.path, self.train_log, stopped)

@@ -70,3 +70,38 @@ def test_load_checkpoint_on_cuda_without_cuda(trained_dir):
         load_checkpoint(trained_dir / "ckpt.pt", device="cuda")
     with pytest.raises(ValueError, match="device must be a torch device"):
         load_checkpoint(trained_dir / "ckpt.pt", device="gpu")
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"date,price\n2024-01-01,3.5\n", "not a torch.save file (not a zip archive; it starts with b'date,price\\n"),
+    (b"", "the file is empty"),
+    ("zip", "torch.load failed (corrupt, or written by something else): file in archive is not in a subdirectory"),
+    ("truncated", "not a complete torch.save file (its zip archive is truncated or damaged)"),
+    ([1, 2], "is not a sigmafast checkpoint: it holds a list, not a dict"),
+    ({"model": {}, "iter": 3}, "is not a sigmafast checkpoint: missing keys ['best_val_loss', 'history', "),
+], ids=["csv", "empty", "other-zip", "truncated", "list", "other-dict"])
+def test_load_checkpoint_says_why_a_file_is_not_a_checkpoint(tmp_path, trained_dir, content, reason):
+    path = tmp_path / "file"
+    if content == "zip":
+        import zipfile
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("notes.txt", "hello")
+    elif content == "truncated":
+        data = (trained_dir / "ckpt.pt").read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path} is not a ") and reason in message, message
+    assert "\n" not in message and "operand" not in message, message
+
+
+def test_load_checkpoint_refuses_the_meta_device(trained_dir):
+    with pytest.raises(ValueError, match="device 'meta' holds no data"):
+        load_checkpoint(trained_dir / "ckpt.pt", device="meta")
+    with pytest.raises(ValueError, match="device 'meta' holds no data"):
+        load_checkpoint(trained_dir / "ckpt.pt", device=torch.device("meta"))

@@ -1,7 +1,9 @@
 """DDP on CPU: 2 gloo processes through torch.multiprocessing, against one process with the same global batch."""
 
 import os
+import signal
 import socket
+import time
 
 import pytest
 import torch
@@ -68,3 +70,56 @@ def test_ddp_two_cpu_ranks_match_single_process(tmp_path, monkeypatch):
     assert sorted(os.listdir(ddp_out)) == ["ckpt.pt"]
     ckpt = read_checkpoint(ddp_out / "ckpt.pt")
     assert ckpt["iter"] == 6 and len(ckpt["rng"]) == WORLD
+
+
+class _SigintAfterFirst(list):
+    """Validation batches that send this process a SIGINT when the second one is taken."""
+
+    def __iter__(self):
+        for i, batch in enumerate(super().__iter__()):
+            if i == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield batch
+
+
+def stopping_worker(rank: int, port: int, out_dir: str, result_dir: str) -> None:
+    """A rank of the run of :func:`config`; rank 0 gets a SIGINT inside its iter-3 evaluation, after its first
+    validation batch, and the other rank gets none."""
+    import sigmafast.train as train_mod
+
+    real, calls = train_mod.estimate_val_loss, []
+
+    def estimate(model, batches, *args, **kwargs):
+        calls.append(None)
+        return real(model, _SigintAfterFirst(batches) if len(calls) == 3 else batches, *args, **kwargs)
+
+    train_mod.estimate_val_loss = estimate  # a spawned process: nothing to restore
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD))
+    result = train(config(out_dir))
+    torch.save({"interrupted": result.interrupted, "history": result.history,
+                "steps": [e["iter"] for e in result.train_log]}, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_ddp_stop_request_during_rank0_evaluation_stops_every_rank(tmp_path, monkeypatch):
+    """Only rank 0 evaluates: a stop request there abandons its evaluation, and the collective stop decision
+    takes every rank to the same checkpoint, with no deadlock."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    out, results = tmp_path / "ddp", tmp_path / "results"
+    results.mkdir()
+    ctx = mp.spawn(stopping_worker, args=(free_port(), str(out), str(results)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the ranks did not finish within 300 s (a deadlock?)")
+    ranks = [torch.load(results / f"rank{r}.pt") for r in range(WORLD)]
+    assert [r["interrupted"] for r in ranks] == [True, True]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == [0, 1, 2]
+    assert [h["iter"] for h in ranks[0]["history"]] == [0] and ranks[1]["history"] == []
+    ckpt = read_checkpoint(out / "ckpt.pt")
+    assert ckpt["iter"] == 3 and len(ckpt["rng"]) == WORLD and [h["iter"] for h in ckpt["history"]] == [0]

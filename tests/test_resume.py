@@ -226,3 +226,108 @@ def test_resume_with_another_task_names_the_checkpoints(tmp_path, capsys):
     assert "was written for task 'char'; leave --task out" in err
     assert script.main(["--resume", "--max-iters", "2"] + out) == 0  # the task, text and seq_len are stored
     assert read_checkpoint(tmp_path / "char" / "ckpt.pt")["iter"] == 2
+
+
+class _SignalAfter(list):
+    """Validation batches that send ``signum`` to this process once ``after`` of them were handed out, and count
+    how many were."""
+
+    def __init__(self, batches, after: int, signum=signal.SIGINT) -> None:
+        super().__init__(batches)
+        self.after, self.signum, self.taken = after, signum, 0
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if self.taken == self.after:
+                os.kill(os.getpid(), self.signum)
+            self.taken += 1
+            yield batch
+
+
+def signal_in_val_loss(monkeypatch, call: int, after: int = 1) -> list:
+    """The ``call``-th validation loss (1-based; two per evaluation: random then l2r order) gets a SIGINT after
+    ``after`` of its batches; returns the list of the wrapped batches."""
+    real, calls, wrapped = train_mod.estimate_val_loss, [], []
+
+    def estimate(model, batches, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            batches = _SignalAfter(batches, after)
+            wrapped.append(batches)
+        return real(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "estimate_val_loss", estimate)
+    return wrapped
+
+
+def test_stop_request_during_evaluation_abandons_it_and_resume_matches(tmp_path, monkeypatch, caplog):
+    """A SIGINT in the middle of the iter-4 evaluation (l2r order, after 1 of 50 batches): the evaluation
+    stops at the next batch and is not recorded, the iter-4 state is saved, and --resume gives the
+    uninterrupted run bit for bit."""
+    kw = dict(max_iters=6, eval_iters=50, dropout=0.1)
+    straight = train(small_cfg(tmp_path / "a", **kw))
+    wrapped = signal_in_val_loss(monkeypatch, call=4)
+    caplog.set_level(logging.INFO, logger="sigmafast.train")
+    first = train(small_cfg(tmp_path / "b", **kw))
+    monkeypatch.undo()
+    assert first.interrupted and wrapped[0].taken == 2  # the signal came with batch 1: it was not evaluated
+    assert "evaluation at iter 4 abandoned: stopping" in caplog.text
+    assert not any(r.getMessage().startswith("eval iter 4") for r in caplog.records)
+    ckpt = read_checkpoint(first.checkpoint_path)
+    assert ckpt["iter"] == 4 and [h["iter"] for h in ckpt["history"]] == [0]
+    assert ckpt["best_val_loss"] == {name: ckpt["history"][0][f"val_loss_{name}"] for name in ("random", "l2r")}
+    assert sorted(losses(first)) == list(range(4))
+
+    second = train(small_cfg(tmp_path / "b", resume=True, **kw))
+    assert not second.interrupted and second.history == straight.history
+    assert {**losses(first), **losses(second)} == losses(straight)
+    for p, q in zip(straight.model.parameters(), second.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_script_sigint_in_the_first_evaluation_saves_the_initial_state(tmp_path, monkeypatch, capsys):
+    """The first evaluation (iter 0, before any step) is stopped too: the run exits at once with the
+    initial state saved, so that ``--resume`` continues it."""
+    script = train_script()
+    flags = OWN_FLAGS + ["--max-iters", "3", "--eval-iters", "500"]
+    assert script.main(flags + ["--out-dir", str(tmp_path / "straight")]) == 0
+    wrapped = signal_in_val_loss(monkeypatch, call=1)
+    assert script.main(flags + ["--out-dir", str(tmp_path / "split")]) == 130
+    monkeypatch.undo()
+    assert wrapped[0].taken == 2
+    ckpt = read_checkpoint(tmp_path / "split" / "ckpt.pt")
+    assert ckpt["iter"] == 0 and ckpt["history"] == [] and not ckpt["optimizer"]["state"]
+    assert script.main(["--resume", "--out-dir", str(tmp_path / "split")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    a, b = read_checkpoint(tmp_path / "straight" / "ckpt.pt"), read_checkpoint(tmp_path / "split" / "ckpt.pt")
+    assert b["iter"] == 3 and b["history"] == a["history"]
+    for name, weight in a["model"].items():
+        assert torch.equal(weight, b["model"][name]), name
+
+
+def test_resume_with_another_preset_is_an_error(tmp_path, capsys):
+    """The architecture comes from the checkpoint, so another --preset would only be recorded: refused. The
+    same preset, given again, is fine."""
+    script = train_script()
+    out = ["--out-dir", str(tmp_path)]
+    assert script.main(OWN_FLAGS + ["--preset", "tiny", "--max-iters", "2"] + out) == 0
+    capsys.readouterr()
+    assert script.main(["--resume", "--preset", "small", "--max-iters", "3"] + out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --preset 'small': checkpoint ") and err.count("\n") == 1, err
+    assert "was trained with preset 'tiny', and the architecture must match on resume" in err
+    assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 2
+    assert script.main(["--resume", "--preset", "tiny", "--max-iters", "3"] + out) == 0
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter"] == 3 and ckpt["train_config"]["preset"] == "tiny"
+
+
+def test_resume_may_change_dropout(tmp_path):
+    """Dropout changes no weight: --resume accepts another value and the model trains on with it."""
+    train(small_cfg(tmp_path, max_iters=2, dropout=0.0))
+    result = train(small_cfg(tmp_path, max_iters=3, dropout=0.2, resume=True))
+    assert result.model.config.dropout == 0.2
+    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["iter"] == 3 and ckpt["model_config"]["dropout"] == 0.2 and ckpt["train_config"]["dropout"] == 0.2
+    with pytest.raises(ValueError, match="another configuration: n_layer: checkpoint 1, now 3$"):
+        train(small_cfg(tmp_path, max_iters=4, dropout=0.1, n_layer=3, resume=True))  # the weights must match

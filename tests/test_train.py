@@ -96,6 +96,41 @@ def test_unwritable_out_dir_fails_before_training(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(ValueError, match="out_dir"):
         train(small_cfg(tmp_path, out_dir=str(blocker / "run")))
+    with pytest.raises(ValueError, match=f"TrainConfig.out_dir '{blocker}' is a file, not a folder$"):
+        train(small_cfg(tmp_path, out_dir=str(blocker)))
+
+
+def unwritable_dir(tmp_path) -> Path:
+    """An existing folder this process cannot create a file in: a read-only temporary folder, or, for root
+    (whom permissions do not stop), a sysfs or procfs folder."""
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    for folder in (ro, Path("/sys/kernel"), Path("/proc/self")):
+        if not folder.is_dir():
+            continue
+        try:
+            (folder / ".probe").open("xb").close()
+        except OSError:
+            return folder
+        (folder / ".probe").unlink()
+    pytest.skip("no folder this process cannot write to (root, without /sys or /proc)")
+
+
+def test_unwritable_out_dir_fails_at_start(tmp_path, monkeypatch, capsys):
+    folder = unwritable_dir(tmp_path)
+
+    def step(self, it):
+        raise AssertionError(f"trained (iter {it}) with an unwritable out_dir")
+
+    monkeypatch.setattr(train_mod._Trainer, "step", step)
+    with pytest.raises(ValueError, match=f"TrainConfig.out_dir '{folder}' is not writable: \\[Errno"):
+        train(small_cfg(folder))
+    assert load_script().main(BASE_ARGV + ["--out-dir", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: TrainConfig.out_dir '{folder}' is not writable: ") and err.count("\n") == 1, err
+    assert not (folder / "ckpt.pt").exists()
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".write-test")]
 
 
 def test_learning_rate_schedule():
@@ -376,3 +411,53 @@ def test_task_recipes_fill_only_unset_fields(monkeypatch):
     assert other.architecture()["n_embd"] == 64 and other.architecture()["pos_encoding"] == "rope"
     resolved = resolve(other, seq_len=546)
     assert resolved.max_iters == train_config.TRAIN_PRESETS["tiny"]["max_iters"] and resolved.order == "fractal"
+
+
+def test_evaluation_loops_stop_when_asked():
+    """``should_stop`` is polled before every validation batch and every sampling step: a true answer
+    abandons the evaluation with EvaluationStopped."""
+    from sigmafast import diffusion
+    from sigmafast.diffusion import training as diffusion_training
+    from sigmafast.evaluation import estimate_val_loss, sample_validity
+    from sigmafast.signals import EvaluationStopped
+
+    task = get_task("step", seq_len=12)
+    cfg = resolve(small_cfg(".", task="step", seq_len=12, eval_iters=20), task.seq_len)
+    torch.manual_seed(0)
+    model = SigmaGPT(build_model_config(cfg, task)).eval()
+    batches = train_mod.make_val_batches(task, cfg)
+
+    def stop_at(n: int):
+        polls = []
+
+        def should_stop() -> bool:
+            polls.append(None)
+            return len(polls) > n
+        return should_stop, polls
+
+    args = (task.bos, torch.autocast("cpu", enabled=False), torch.device("cpu"))
+    full = estimate_val_loss(model, batches, "random", *args)
+    should_stop, polls = stop_at(len(batches))
+    assert estimate_val_loss(model, batches, "random", *args, should_stop=should_stop) == full
+    should_stop, polls = stop_at(3)
+    with pytest.raises(EvaluationStopped):
+        estimate_val_loss(model, batches, "l2r", *args, should_stop=should_stop)
+    assert len(polls) == 4
+
+    canvas = task.sample_batch(3, "val", torch.Generator().manual_seed(1))
+    should_stop, polls = stop_at(5)
+    with pytest.raises(EvaluationStopped):
+        sample_validity(model, task, canvas, 0, "cpu", should_stop=should_stop)
+    assert len(polls) == 6  # once before sampling, then after each sampling step
+    assert sample_validity(model, task, canvas, 0, "cpu", should_stop=lambda: False) \
+        == sample_validity(model, task, canvas, 0, "cpu")
+
+    dmodel = diffusion.make_model(model.config, "diffusion", diffusion.DiffusionConfig(noise="absorbing"))
+    xs = [x for x, _ in batches]
+    should_stop, polls = stop_at(2)
+    with pytest.raises(EvaluationStopped):
+        diffusion_training.estimate_val_loss(dmodel, xs, torch.Generator().manual_seed(0), *args[1:],
+                                             should_stop=should_stop)
+    assert len(polls) == 3
+    with pytest.raises(EvaluationStopped):
+        sample_validity(dmodel, task, canvas, 0, "cpu", should_stop=lambda: True)

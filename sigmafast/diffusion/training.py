@@ -3,10 +3,11 @@ loss of one micro-step, and the validation loss."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from ..signals import check_stop
 from .model import DiffusionGPT
 from .noise import DiffusionBatch, noisy_batch
 
@@ -23,12 +24,15 @@ def get_batch(model: DiffusionGPT, task, batch_size: int, generator: torch.Gener
 
 
 @torch.no_grad()
-def estimate_val_loss(model: DiffusionGPT, xs, generator: torch.Generator, autocast, device) -> float:
+def estimate_val_loss(model: DiffusionGPT, xs, generator: torch.Generator, autocast, device,
+                      should_stop: Optional[Callable[[], bool]] = None) -> float:
     """Mean loss over the clean batches ``xs``, noised from ``generator`` (seed it identically at every
     evaluation to score the same noised batches): the NELBO in nats/token for absorbing noise,
-    the x0 cross-entropy for uniform noise."""
+    the x0 cross-entropy for uniform noise. ``should_stop`` is called before each batch; when it returns
+    true the evaluation is abandoned with :class:`~sigmafast.signals.EvaluationStopped`."""
     total = torch.zeros((), device=device)
     for x in xs:
+        check_stop(should_stop)
         batch = make_batch(model, x, generator).to(device)
         with autocast:
             loss = model.loss(*batch)
