@@ -20,21 +20,24 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import diffusion, orders
+from . import diffusion
 from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, check_writable, checkpoint_path, load_checkpoint, read_resumed,
     rng_state, set_rng_state, stored_model_config, task_record,
 )
 from .diffusion import training as diffusion_training
+from .batches import (
+    SAMPLE_STREAM, TRAIN_STREAM, VAL_STREAM, curriculum_l2r, get_batch, make_val_batches, stream_generator,
+)
 from .distributed import Layout, init_layout
 from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
 from .loss import step_weights
 from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
+from .optim import configure_optimizer, learning_rate
 from .signals import EvaluationStopped, StopRequest
 from .train_config import TrainConfig, resolve, resume_config
 
@@ -42,7 +45,6 @@ __all__ = ["TrainConfig", "TrainResult", "train", "load_checkpoint", "learning_r
 
 log = logging.getLogger(__name__)
 
-_TRAIN_STREAM, _VAL_STREAM, _SAMPLE_STREAM = 0, 1, 2
 # Dense bf16 peak FLOP/s by device-name fragment, for the MFU estimate.
 _PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("4090", 165e12),
                ("A10", 125e12), ("L4", 121e12))
@@ -68,40 +70,6 @@ def build_model_config(cfg: TrainConfig, task) -> SigmaGPTConfig:
     )
 
 
-def learning_rate(it: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``lr_decay_iters``."""
-    if it < cfg.warmup_iters:
-        return cfg.lr * (it + 1) / (cfg.warmup_iters + 1)
-    if it >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.min_lr)
-
-
-def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on the >= 2-D weights only; fused on CUDA.
-
-    Each group's ``lr_scale`` multiplies the scheduled learning rate: ``embedding_lr_scale`` for
-    the token embedding (tied to the LM head), ``final_norm_lr_scale`` for the final LayerNorm.
-    Groups with equal settings are merged, so the default config has two.
-    """
-    groups: dict[tuple[bool, float], list] = {(True, 1.0): [], (False, 1.0): []}  # (decayed, lr_scale)
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        owner = name.split(".")[-2:-1]  # the module that holds it, [] at the top level
-        scale = 1.0
-        if owner in (["wte"], ["lm_head"]):
-            scale = cfg.embedding_lr_scale
-        elif owner == ["ln_f"]:
-            scale = cfg.final_norm_lr_scale
-        groups.setdefault((p.dim() >= 2, scale), []).append(p)
-    param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decayed else 0.0, "lr_scale": scale,
-                     "lr": cfg.lr * scale} for (decayed, scale), ps in groups.items() if ps]
-    extra = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **extra)
-
-
 def estimate_mfu(config: SigmaGPTConfig, n_params: int, seq_len: int, tokens_per_s: float, device) -> Optional[float]:
     """nanoGPT's model-FLOPs utilisation estimate (PaLM appendix B); None off CUDA or on unknown GPUs."""
     if device.type != "cuda":
@@ -112,40 +80,6 @@ def estimate_mfu(config: SigmaGPTConfig, n_params: int, seq_len: int, tokens_per
         return None
     flops_per_token = 6 * n_params + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
     return flops_per_token * tokens_per_s / peak
-
-
-def _generator(seed: int, stream: int, step: int = 0, index: int = 0) -> torch.Generator:
-    state = np.random.SeedSequence([seed, stream, step, index]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state) & (2**63 - 1))
-
-
-def get_batch(task, cfg: TrainConfig, step: int, index: int, start_pos: int, device: torch.device):
-    """Micro-batch ``index`` of optimiser step ``step``: shuffled (tokens, in_pos, out_pos, targets)."""
-    g = _generator(cfg.seed, _TRAIN_STREAM, step, index)
-    x = task.sample_batch(cfg.batch_size, "train", g)  # (B, T)
-    fraction = curriculum_l2r(step, cfg)
-    order = orders.make_orders(cfg.order, *x.shape, generator=g, fraction=fraction)
-    batch = orders.shuffle(x, order, task.bos, start_pos)
-    if device.type == "cuda":
-        return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
-    return tuple(t.to(device) for t in batch)
-
-
-def curriculum_l2r(step: int, cfg: TrainConfig) -> float:
-    """Scheduled left-to-right share of the batch at ``step`` (0 unless ``order == "curriculum"``)."""
-    if cfg.order != "curriculum":
-        return 0.0
-    return orders.curriculum_fraction(step, cfg.max_iters, cfg.curriculum_start)
-
-
-def make_val_batches(task, cfg: TrainConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed validation batches ``(x, random order)``, identical at every evaluation."""
-    g = _generator(cfg.seed, _VAL_STREAM)
-    batches = []
-    for _ in range(cfg.eval_iters):
-        x = task.sample_batch(cfg.batch_size, "val", g)
-        batches.append((x, orders.random(*x.shape, generator=g)))
-    return batches
 
 
 class ModelLoss(torch.nn.Module):
@@ -331,7 +265,7 @@ class _Trainer:
         """Validation loss ``name``: "random" or "l2r" order for a σ-GPT, "diffusion" for a diffusion model
         (noise redrawn from the same seed at every evaluation)."""
         if name == "diffusion":
-            g = _generator(self.cfg.seed, _VAL_STREAM, 1)
+            g = stream_generator(self.cfg.seed, VAL_STREAM, 1)
             xs = [x for x, _ in self.val_batches]
             return diffusion_training.estimate_val_loss(self.model, xs, g, self.autocast, self.device,
                                                         should_stop=self._should_stop)
@@ -345,7 +279,7 @@ class _Trainer:
         self.val_batches = make_val_batches(self.task, self.cfg)
         n = self.cfg.num_eval_samples
         if n > 0:
-            canvas = self.task.sample_batch(n, "val", _generator(self.cfg.seed, _SAMPLE_STREAM))
+            canvas = self.task.sample_batch(n, "val", stream_generator(self.cfg.seed, SAMPLE_STREAM))
             if numeric_metrics(self.task.evaluate(canvas)):
                 self.canvas = canvas
 
@@ -373,7 +307,7 @@ class _Trainer:
 
     def _batch(self, it: int, index: int) -> tuple:
         if self.cfg.objective == "diffusion":  # same data stream; the noise is drawn after the rows
-            g = _generator(self.cfg.seed, _TRAIN_STREAM, it, index)
+            g = stream_generator(self.cfg.seed, TRAIN_STREAM, it, index)
             return diffusion_training.get_batch(self.model, self.task, self.cfg.batch_size, g, self.device)
         batch = get_batch(self.task, self.cfg, it, index, self.model_config.start_pos, self.device)
         return batch if self.step_weight is None else (*batch, self.step_weight)
