@@ -39,7 +39,7 @@ from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
 from .optim import configure_optimizer, learning_rate
 from .signals import EvaluationStopped, StopRequest
-from .train_config import TrainConfig, resolve, resume_config
+from .train_config import TrainConfig, check_task_flags, resolve, resume_config
 
 __all__ = ["TrainConfig", "TrainResult", "train", "load_checkpoint", "learning_rate", "build_model_config"]
 
@@ -128,6 +128,7 @@ class _Trainer:
         if ckpt is not None:  # the fields left unset continue the stored run
             user_cfg = resume_config(user_cfg, ckpt["train_config"], stored_model_config(ckpt).to_dict())
         task_kwargs = user_cfg.task_kwargs()
+        check_task_flags(user_cfg.task, task_kwargs)
         self.task = get_task(user_cfg.task, **task_kwargs)
         self.task.check_data()  # a missing data set fails now, with how to get it
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)

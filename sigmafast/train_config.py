@@ -23,7 +23,7 @@ from .diffusion.noise import NOISES
 from .loss import LOSS_WEIGHTINGS
 from .model import EMBEDDING_INITS, FINAL_NORMS, POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
-from .tasks import TASK_NAMES
+from .tasks import TASK_NAMES, task_arguments
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -298,6 +298,18 @@ def _check_range(name: str, value, low: float, strict: bool = False) -> None:
     if value < low or (strict and value == low):
         bound = f"> {low}" if strict else f">= {low}"
         raise ValueError(f"TrainConfig.{name} must be {bound}, got {value!r}")
+
+
+def check_task_flags(task: str, kwargs: dict) -> None:
+    """A ``ValueError`` naming the flags (``--text``, ``--csv``...) that task ``task`` does not take."""
+    accepted = task_arguments(task)
+    unused = [k for k in kwargs if accepted is not None and k not in accepted]
+    if unused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+        takes = [f"--{k.replace('_', '-')}" for k in ("seq_len", "text", "data_dir", "csv", "column")
+                 if accepted is not None and k in accepted]
+        raise ValueError(f"task {task!r} does not take {flags}; of the task flags it takes "
+                         f"{', '.join(takes) if takes else 'none'}")
 
 
 # Training fields' values before any recipe set them: what a checkpoint that lacks the field was trained with.

@@ -461,3 +461,11 @@ def test_evaluation_loops_stop_when_asked():
     assert len(polls) == 3
     with pytest.raises(EvaluationStopped):
         sample_validity(dmodel, task, canvas, 0, "cpu", should_stop=lambda: True)
+
+
+def test_task_flags_a_task_does_not_take_are_named_as_flags(tmp_path):
+    cfg = TrainConfig(task="step", text="shakespeare.txt", csv="x.csv", max_iters=1, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"task 'step' does not take --text, --csv; of the task flags it takes "
+                                         r"--seq-len$"):
+        train(cfg)
+    assert not (tmp_path / "ckpt.pt").exists()
