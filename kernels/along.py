@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_tensor
+
 BLOCK_R = 256  # slots written per pass
 BLOCK_S = 256  # order steps per program
 
@@ -85,16 +87,6 @@ def launch(positions, tokens, logp, canvas, known, uniforms, orders):
     return tok_o, logp_o, u_o, slot_o
 
 
-def _check(name: str, t, shape: tuple, dtypes: tuple, device, unit_stride: bool = True) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != device:
-        raise ValueError(f"{name} must be a {shape} tensor of {' or '.join(map(str, dtypes))} on {device}, got "
-                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    if unit_stride and t.ndim == 2 and t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have unit stride along its last dimension, got strides {t.stride()}")
-
-
 def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders):
     """The drafts of a burst iteration read along its visiting orders.
 
@@ -109,7 +101,7 @@ def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders):
         raise ValueError(f"orders must be a (B, O, S) tensor, got {getattr(orders, 'shape', type(orders).__name__)}")
     B = orders.shape[0]
     device = orders.device
-    _check("orders", orders, tuple(orders.shape), (torch.int64,), device, unit_stride=False)
+    check_tensor("orders", orders, tuple(orders.shape), (torch.int64,), device, unit_stride=False)
     if not isinstance(positions, torch.Tensor) or positions.ndim != 2:
         raise ValueError(f"positions must be a (B, R) tensor, got "
                          f"{getattr(positions, 'shape', type(positions).__name__)}")
@@ -119,12 +111,12 @@ def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders):
     T = canvas.shape[1]
     if not 1 <= R <= T:
         raise ValueError(f"positions must hold 1 to T = {T} positions per row, got {R}")
-    _check("positions", positions, (B, R), (torch.int64,), device)
-    _check("tokens", tokens, (B, R), (torch.int64,), device)
-    _check("logp", logp, (B, R), (torch.float32, torch.float64), device)
-    _check("canvas", canvas, (B, T), (torch.int64,), device)
-    _check("known", known, (B, T), (torch.bool,), device)
-    _check("uniforms", uniforms, (B, T), (torch.float32, torch.float64), device)
+    check_tensor("positions", positions, (B, R), (torch.int64,), device)
+    check_tensor("tokens", tokens, (B, R), (torch.int64,), device)
+    check_tensor("logp", logp, (B, R), (torch.float32, torch.float64), device)
+    check_tensor("canvas", canvas, (B, T), (torch.int64,), device)
+    check_tensor("known", known, (B, T), (torch.bool,), device)
+    check_tensor("uniforms", uniforms, (B, T), (torch.float32, torch.float64), device)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders)

@@ -55,6 +55,18 @@ def check_int(name: str, t, shape: tuple, device: torch.device) -> None:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def check_tensor(name: str, t, shape: tuple, dtypes: tuple, device, unit_stride: bool = True) -> None:
+    """A ``shape`` tensor of one of ``dtypes`` on ``device`` (and, when ``unit_stride``, a 2-D one with unit
+    stride along its last dimension)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != device:
+        raise ValueError(f"{name} must be a {shape} tensor of {' or '.join(map(str, dtypes))} on {device}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if unit_stride and t.ndim == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dimension, got strides {t.stride()}")
+
+
 def check_block_v(block_v: Optional[int]) -> None:
     if block_v is not None and (isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 1
                                 or block_v & (block_v - 1)):

@@ -240,16 +240,21 @@ class BurstDraws(NamedTuple):
     u_residual: torch.Tensor  # (B, T)
 
 
+def burst_shapes(batch_size: int, num_orders: int, seq_len: int) -> tuple:
+    """The shapes of :class:`BurstDraws`' four tensors, in their order."""
+    B, O, T = batch_size, num_orders, seq_len
+    return (B, T), (B, O, T), (B, T), (B, T)
+
+
 def draw_burst(generator, batch_size: int, num_orders: int, seq_len: int, device,
                out: Optional[BurstDraws] = None) -> BurstDraws:
     """The four draws of one burst iteration, always all four, in this order; into the first
     ``batch_size`` rows of ``out``'s buffers (contiguous, float64, on ``device``) when given."""
-    B, O, T = batch_size, num_orders, seq_len
-    shapes = ((B, T), (B, O, T), (B, T), (B, T))
+    shapes = burst_shapes(batch_size, num_orders, seq_len)
     if out is None:
         return BurstDraws(*(draw(generator, shape, device) for shape in shapes))
     for buf, shape in zip(out, shapes):
-        draw(generator, shape, device, out=buf[:B])
+        draw(generator, shape, device, out=buf[:batch_size])
     return out
 
 

@@ -27,7 +27,7 @@ import torch
 
 from . import kernels, steps
 from .engine import NeuralSession
-from .request import DRAW_DTYPE, BurstDraws, is_sigma_gpt
+from .request import DRAW_DTYPE, BurstDraws, burst_shapes, is_sigma_gpt
 
 __all__ = ["Engine", "EagerRunner", "runner_for"]
 
@@ -204,7 +204,7 @@ class Engine(EagerRunner):
         if buffers is None:
             B, T = session.canvas.shape
             zeros = [torch.zeros(shape, dtype=DRAW_DTYPE, device=session.canvas.device)
-                     for shape in ((B, T), (B, num_orders, T), (B, T), (B, T))]
+                     for shape in burst_shapes(B, num_orders, T)]
             buffers = self._static[key] = BurstDraws(*zeros)  # padding rows stay 0
         return buffers
 

@@ -24,14 +24,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import diffusion
+from .batches import (
+    SAMPLE_STREAM, TRAIN_STREAM, VAL_STREAM, curriculum_l2r, get_batch, make_val_batches, stream_generator,
+)
 from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, check_writable, checkpoint_path, load_checkpoint, read_resumed,
     rng_state, set_rng_state, stored_model_config, task_record,
 )
 from .diffusion import training as diffusion_training
-from .batches import (
-    SAMPLE_STREAM, TRAIN_STREAM, VAL_STREAM, curriculum_l2r, get_batch, make_val_batches, stream_generator,
-)
 from .distributed import Layout, init_layout
 from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
 from .loss import step_weights

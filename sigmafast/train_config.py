@@ -26,6 +26,7 @@ from .orders import ORDER_NAMES
 from .tasks import TASK_NAMES, task_arguments
 
 DTYPES = ("auto", "float32", "bfloat16")
+TASK_FLAGS = ("seq_len", "text", "data_dir", "csv", "column")  # the fields passed to the task's constructor
 
 # Tokens per optimiser step for the paper-scale presets: nanoGPT's 12 x 1024 x 40.
 PAPER_TOKENS_PER_STEP = 491_520
@@ -240,8 +241,7 @@ class TrainConfig:
 
     def task_kwargs(self) -> dict:
         """Keyword arguments for ``get_task(self.task, **kwargs)``: the task fields that are set."""
-        names = ("seq_len", "text", "data_dir", "csv", "column")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in TASK_FLAGS if getattr(self, k) is not None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -303,11 +303,10 @@ def _check_range(name: str, value, low: float, strict: bool = False) -> None:
 def check_task_flags(task: str, kwargs: dict) -> None:
     """A ``ValueError`` naming the flags (``--text``, ``--csv``...) that task ``task`` does not take."""
     accepted = task_arguments(task)
-    unused = [k for k in kwargs if accepted is not None and k not in accepted]
+    unused = [] if accepted is None else [k for k in kwargs if k not in accepted]
     if unused:
         flags = ", ".join("--" + k.replace("_", "-") for k in unused)
-        takes = [f"--{k.replace('_', '-')}" for k in ("seq_len", "text", "data_dir", "csv", "column")
-                 if accepted is not None and k in accepted]
+        takes = [f"--{k.replace('_', '-')}" for k in TASK_FLAGS if k in accepted]
         raise ValueError(f"task {task!r} does not take {flags}; of the task flags it takes "
                          f"{', '.join(takes) if takes else 'none'}")
 
