@@ -8,6 +8,10 @@ Environment:
   more sequences). The default is sized for a 2-core CPU, training included.
 * ``SIGMAFAST_BENCH_THREADS=N``: ``torch.set_num_threads(N)`` for the session
   (on a shared CPU, 1 avoids the collapse of oversubscribed threads).
+* ``SIGMAFAST_BENCH_LOG=FILE``: append one JSON line per finished benchmark
+  (name, median seconds, ``extra_info``) as it ends. pytest-benchmark writes
+  its own JSON only when the session ends, so a session cut off by a time
+  limit keeps the cases it finished.
 
 Every benchmark stores its figures in ``benchmark.extra_info``; the device
 label ("CPU: <model>, N cores" or the GPU name) goes into the JSON's
@@ -17,6 +21,7 @@ uses to label the tables.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -52,6 +57,19 @@ def shakespeare() -> Path:
     if not path.is_file():
         pytest.skip(f"char model needs {path} (the offline tiny-shakespeare copy); not present")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _log_finished_case(request):
+    yield
+    log = os.environ.get("SIGMAFAST_BENCH_LOG")
+    bench = request.node.funcargs.get("benchmark")
+    stats = getattr(getattr(bench, "stats", None), "stats", None)
+    if not log or stats is None:
+        return
+    line = {"name": request.node.name, "median_s": stats.median, "extra_info": bench.extra_info}
+    with open(log, "a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

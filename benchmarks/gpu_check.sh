@@ -7,15 +7,16 @@
 # tool: the engine part times sigmafast alone (the issue 9 targets); "anchors" (HF transformers and the compiled
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
 # parts for a second call; engine-ar and engine-burst split the engine part in two, each with its own JSON.
-# pytest-benchmark writes its JSON only when a session ends, so a part's limit must cover its whole selection;
-# -k also matches the module name, so select by test function (test_engine, test_hf, test_anchor,
-# test_first_call) and parameter ids, never "engine".
+# pytest-benchmark writes its JSON only when a session ends, but $OUT/cases.jsonl (SIGMAFAST_BENCH_LOG) gets
+# each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
+# module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
+# ids, never "engine".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 [ -e sigmafast/kernels ] || ln -s ../kernels sigmafast/kernels  # the installed package maps it there
 export PYTHONPATH=$PWD TRITON_INTERPRET=0
-export TRITON_CACHE_DIR=$(mktemp -d) SIGMAFAST_CACHE=$(mktemp -d)
+export TRITON_CACHE_DIR=$(mktemp -d) SIGMAFAST_CACHE=$(mktemp -d) SIGMAFAST_BENCH_LOG=$OUT/cases.jsonl
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,power.draw --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
@@ -50,4 +51,4 @@ for part in ${GPU_PARTS:-tests fused engine kernels profile}; do
     esac
 done
 cat "$OUT/summary.txt"
-python benchmarks/gpu_summary.py "$OUT"/*.json
+python benchmarks/gpu_summary.py "$OUT"/cases.jsonl

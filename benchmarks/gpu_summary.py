@@ -1,6 +1,7 @@
-"""One line per benchmark of the JSON files ``gpu_check.sh`` wrote: the figures RESULTS.md quotes.
+"""One line per benchmark of the files ``gpu_check.sh`` wrote: the figures RESULTS.md quotes.
 
-Usage: python benchmarks/gpu_summary.py OUT/*.json
+Usage: python benchmarks/gpu_summary.py OUT/*.json OUT/cases.jsonl. A ``.jsonl`` file holds the cases that
+``SIGMAFAST_BENCH_LOG`` logged one by one, including those of a part cut off by its time limit.
 """
 
 from __future__ import annotations
@@ -30,10 +31,15 @@ def main(argv=None) -> None:
         if not path.exists():
             print(f"{path}: missing (its part did not finish)")
             continue
-        for b in json.loads(path.read_text())["benchmarks"]:
-            info = b.get("extra_info", {})
+        if path.suffix == ".jsonl":
+            cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        else:
+            cases = [{"name": b["name"], "median_s": b["stats"]["median"], "extra_info": b.get("extra_info", {})}
+                     for b in json.loads(path.read_text())["benchmarks"]]
+        for case in cases:
+            info = case["extra_info"]
             shown = " ".join(f"{k}={_fmt(info[k])}" for k in KEYS if info.get(k) is not None)
-            print(f"{b['name']}: median {1e3 * b['stats']['median']:.4g} ms {shown}")
+            print(f"{case['name']}: median {1e3 * case['median_s']:.4g} ms {shown}")
 
 
 if __name__ == "__main__":
