@@ -32,6 +32,24 @@ from .request import DRAW_DTYPE, BurstDraws, burst_shapes, is_sigma_gpt
 __all__ = ["Engine", "EagerRunner", "runner_for"]
 
 
+RECOMPILE_LIMIT = 64  # compiled shapes per step function: R buckets x batch buckets x sampling settings
+
+
+def _compile_step(fn: Callable, backend: str) -> Callable:
+    """``fn`` through ``torch.compile(fullgraph=True, dynamic=False)``. Every static shape (R bucket, batch
+    bucket, orders, sampling settings) is one recompilation of the same function, more than dynamo's
+    default limit of 8 (a burst over T = 768 alone has 7 R buckets), so calls raise the limit to
+    ``RECOMPILE_LIMIT``."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+    def call(*args):
+        with config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)}):
+            return compiled(*args)
+    return call
+
+
 def batch_bucket(n: int) -> int:
     """The next power of two >= n."""
     return 1 << max(n - 1, 0).bit_length()
@@ -108,8 +126,8 @@ class Engine(EagerRunner):
     ``cuda_graphs`` needs ``buckets`` and a CUDA model. ``compile_steps`` (a
     ``torch.compile`` backend name, e.g. "inductor") compiles the step functions
     with ``fullgraph=True`` first, fusing their small ops; it costs a compilation
-    per shape (one for autoregressive sampling, one per R bucket for burst, within
-    dynamo's recompile limit). Pass the engine to
+    per shape (one for autoregressive sampling, one per R bucket for burst; up to
+    ``RECOMPILE_LIMIT`` per step function). Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
@@ -131,8 +149,8 @@ class Engine(EagerRunner):
         self.compile_steps = compile_steps
         self._burst_step, self._ar_step = steps.burst_step, steps.ar_step
         if compile_steps is not None:  # fuse the step's small ops (then captured as usual)
-            self._burst_step = torch.compile(steps.burst_step, fullgraph=True, dynamic=False, backend=compile_steps)
-            self._ar_step = torch.compile(steps.ar_step, fullgraph=True, dynamic=False, backend=compile_steps)
+            self._burst_step = _compile_step(steps.burst_step, compile_steps)
+            self._ar_step = _compile_step(steps.ar_step, compile_steps)
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.max_sessions = max_sessions

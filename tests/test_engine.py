@@ -126,6 +126,19 @@ def test_compiled_steps_give_the_eager_tokens(model, strategy):
     assert torch.equal(got, want) and torch.equal(s_got.accepted, s_want.accepted)
 
 
+def test_compiled_steps_take_more_shapes_than_dynamos_default_limit(model):
+    """Each R bucket and sampling setting recompiles the step: ten settings exceed dynamo's default of 8
+    (a fullgraph compile then raises), and a long burst alone has up to log2(T / 16) + 2 R buckets."""
+    idx = torch.randint(0, VOCAB, (1, 2), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = sigmafast.Engine(model, buckets=True, compile_steps="eager")
+    for i in range(10):
+        kwargs = dict(strategy="burst", acceptance="paper", num_orders=2, temperature=0.5 + 0.05 * i)
+        got = sigmafast.generate(compiled, idx, T - 2, generator=torch.Generator().manual_seed(i), **kwargs)
+        want = sigmafast.generate(model, idx, T - 2, generator=torch.Generator().manual_seed(i), **kwargs)
+        assert torch.equal(got, want), i
+
+
 def test_engine_defaults_and_bad_input(model):
     engine = sigmafast.Engine(model)
     assert not engine.buckets and not engine.cuda_graphs  # CPU: exact shapes, no graphs
