@@ -8,8 +8,10 @@ random-weight model with bucketed shapes, after a warm-up, as a CUDA-graph
 capture would run them:
 
 * default (CUDA, bf16): per step the number of kernel launches, the summed
-  kernel time and the ten costliest kernels (torch.profiler). A CUDA-graph
-  replay runs the same kernels without the launch gaps.
+  kernel time and the ten costliest kernels (torch.profiler), and the eager
+  wall-clock time per step (synchronized, without the profiler). A CUDA-graph
+  replay runs the same kernels without the launch gaps. The prefill of a call
+  (``Engine.start``: the known tokens' keys and values) is profiled too.
 * ``--count-ops`` (any device; float32 on the CPU, the Triton kernels in the
   interpreter): every ATen and ``sigmafast::`` op the step dispatches
   (``TorchDispatchMode``), leaving out views and allocations, which launch no
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import time
 import traceback
 
 import torch
@@ -56,11 +59,12 @@ class OpLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _kernel_table(prof, title: str, steps_run: int) -> None:
+def _kernel_table(prof, title: str, steps_run: int, wall_ms: float) -> None:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     launches = sum(e.count for e in events) / steps_run
     total_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps_run
-    print(f"\n== {title}: {launches:.0f} kernels, {total_ms:.3f} ms of kernel time per step")
+    print(f"\n== {title}: {launches:.0f} kernels, {total_ms:.3f} ms of kernel time per step, "
+          f"{wall_ms:.3f} ms eager wall clock")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]:
         print(f"  {e.self_device_time_total / 1e3 / steps_run:8.4f} ms  x{e.count / steps_run:5.1f}  {e.key[:90]}")
 
@@ -126,11 +130,17 @@ def main() -> None:
                     step()
             _op_table(log.ops, title, steps_run, args.by_line)
             return
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps_run):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / steps_run
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps_run):
                 step()
             torch.cuda.synchronize()
-        _kernel_table(prof, title, steps_run)
+        _kernel_table(prof, title, steps_run, wall_ms)
 
     with torch.no_grad():
         session = engine.start(canvas, known)
@@ -147,6 +157,7 @@ def main() -> None:
         for _ in range(2):
             engine.ar(session, plan, 1.0, None)
         measured(f"autoregressive step {args.shape} B={B}", lambda: engine.ar(session, plan, 1.0, None), 4)
+        measured(f"prefill {args.shape} B={B}, {T - left} known tokens", lambda: engine.start(canvas, known), 2)
 
 
 if __name__ == "__main__":
