@@ -305,6 +305,26 @@ def test_script_sigint_in_the_first_evaluation_saves_the_initial_state(tmp_path,
         assert torch.equal(weight, b["model"][name]), name
 
 
+def test_script_checkpoint_write_error_is_an_error_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                        capsys):
+    script = train_script()
+    flags = ["--task", "permutation", "--seq-len", "12", "--preset", "tiny", "--batch-size", "8", "--eval-iters", "2",
+             "--eval-interval", "4", "--num-eval-samples", "0", "--out-dir", str(tmp_path)]
+    assert script.main(flags + ["--max-iters", "4"]) == 0
+    before = read_checkpoint(tmp_path / "ckpt.pt")
+
+    def disk_full(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    assert script.main(flags + ["--resume", "--max-iters", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "error: [Errno 28] No space left on device" in err and "Traceback" not in err
+    after = read_checkpoint(tmp_path / "ckpt.pt")
+    assert after["iter"] == before["iter"] == 4
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_resume_with_another_preset_is_an_error(tmp_path, capsys):
     """The architecture comes from the checkpoint, so another --preset would only be recorded: refused. The
     same preset, given again, is fine."""
