@@ -20,7 +20,9 @@ Random-weight models of the ``tiny``, ``small`` and ``gpt2`` presets
   conditionals that the paper rule accepts in a few iterations (R close to
   the new-token count), so one more, untimed call syncs after every iteration
   (``on_iteration``) and reports the first iteration (with the prefill) and the
-  median of the later ones apart.
+  median of the later ones apart; ``later_iterations_ms`` is the timed calls'
+  time less that first iteration, per later iteration (unsynced: the engine
+  queues each iteration before reading the previous one's status).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
 * ``anchor-{eager,compiled}-<shape>-B<b>``: the static-KV-cache decoder of
@@ -328,7 +330,9 @@ def test_engine(benchmark, strategy, shape, batch):
                     iterations_max=int(iters.max()), iterations_mean=float(iters.mean()),
                     ms_per_iteration=1e3 * wall / max(int(iters.max()), 1), ms_per_token=1e3 * wall / NEW,
                     synced_first_iteration_ms=per_iter[0] if per_iter else None,  # prompt prefill included
-                    synced_later_iterations_ms_median=statistics.median(per_iter[1:]) if per_iter[1:] else None)
+                    synced_later_iterations_ms_median=statistics.median(per_iter[1:]) if per_iter[1:] else None,
+                    # the timed calls' later iterations, unsynced (the engine queues one ahead of its status read)
+                    later_iterations_ms=(1e3 * wall - per_iter[0]) / (len(per_iter) - 1) if per_iter[1:] else None)
     benchmark.extra_info.update(info)
 
 

@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 
 KEYS = ("ms", "graph_ms", "graph_fraction_of_copy_bw", "fraction_of_copy_bw", "graph_error", "ms_per_token",
-        "ms_per_iteration", "synced_later_iterations_ms_median", "iterations_max", "first_call_s",
-        "first_call_variants", "later_calls_s", "later_calls_variants", "max_variants_per_kernel", "warmup_s")
+        "ms_per_iteration", "later_iterations_ms", "synced_later_iterations_ms_median", "iterations_max",
+        "first_call_s", "first_call_variants", "later_calls_s", "later_calls_variants", "max_variants_per_kernel",
+        "warmup_s")
 
 
 def _fmt(v) -> str:

@@ -16,11 +16,15 @@ KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
 
 The steps themselves are :mod:`sigmafast.steps` (static shapes, no host
 read); :mod:`sigmafast.runner` runs them eagerly or as CUDA graphs. The
-loops below read one value per burst iteration on the host (the largest
-remaining count, which ends the loop and picks the R bucket, read with the
-step's non-finite flag) and, for autoregressive sampling, two in all (the
-number of steps, and after the loop the non-finite flag the steps accumulated
-on the device). Non-finite model outputs raise a ``ValueError``.
+burst loops read one status per iteration on the host (the largest remaining
+count, which ends the loop and picks the R bucket, with the step's non-finite
+flag). With static shapes (an :class:`~sigmafast.runner.Engine` with buckets)
+the read lags one iteration behind the launches: iteration i + 1 is queued,
+its R bucket bounded from iteration i - 1's status, before iteration i's status
+is read, so the device never waits for the host between iterations. The
+autoregressive loop reads two values in all (the number of steps, and after
+the loop the non-finite flag the steps accumulated on the device).
+Non-finite model outputs raise a ``ValueError``.
 
 Randomness protocol (shared with :mod:`sigmafast.naive`). Every draw is an
 explicit float64 tensor from the user's ``generator`` (the global CPU RNG when
@@ -52,6 +56,7 @@ wins, first on ties; not exact: best-of-N selection over-accepts).
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Callable, Optional
 
@@ -192,13 +197,72 @@ def _autoregressive(runner, session, req, canvas, known, on_iteration):
     return accepted, None, n_steps
 
 
+def _rng(generator: Optional[torch.Generator]) -> torch.Generator:
+    return generator if generator is not None else torch.default_generator  # draw's default: the CPU RNG
+
+
+def _burst_pipelined(runner, session, req, canvas, known):
+    """The static-shape burst loop, one iteration ahead of the host read.
+
+    Every unfinished row commits at least one token per iteration (the paper rule
+    force-accepts step 0; lossless draws a residual at the first rejection), so
+    after iteration i - 1 left at most ``m`` positions in any row, iteration
+    i + 1 has at most ``m - 1`` (with i in flight): its R bucket is chosen from
+    that bound and it is launched before iteration i's status is read. R larger
+    than needed only pads (the masks cover it: the tokens are the same). When
+    iteration i completes every row, iteration i + 1 (complete rows: it commits
+    nothing) is dropped and its draws are given back to the generator, so the
+    tokens, the statistics and the generator's state are those of
+    the synchronous loop.
+    """
+    B, T = canvas.shape
+    gen = _rng(req.generator)
+    left = (~session.known).sum(1)
+    bound = int(left.max())  # the prefill's status
+    accepted, lengths, calls = [], [], 0
+    in_flight = collections.deque()  # (status, n_commit, n, generator state before the draws)
+    while True:
+        while bound > 0 and len(in_flight) < 2:  # the iteration to read next, and the one after it
+            state = gen.get_state()
+            d = draw_burst(req.generator, B, req.num_orders, T, canvas.device,
+                           out=runner.draw_buffers(session, req.num_orders))
+            n_commit, n, status = runner.burst(session, _padded(d, session.batch_size), runner.r_bucket(bound, T),
+                                               req.temperature, req.top_k, req.acceptance)
+            in_flight.append((status, n_commit, n, state))
+            bound -= 1
+        if not in_flight:
+            break
+        status, n_commit, n, _ = in_flight.popleft()
+        max_left, _, bad = status.tolist()  # waits for this iteration only; the next one is queued
+        if bad:
+            raise nonfinite_error("logits or hidden states")
+        calls += 2
+        accepted.append(n_commit[:B])
+        lengths.append(n[:B])
+        if max_left == 0:
+            if in_flight:  # launched after the last needed one: complete rows, nothing committed
+                gen.set_state(in_flight[0][3])
+            break
+        bound = max_left - len(in_flight)
+    _write_back(canvas, known, None, session)
+    return accepted, lengths, calls
+
+
+def _padded(d: BurstDraws, size: int) -> BurstDraws:
+    return BurstDraws(*(_pad_rows(t, None, size) for t in d))
+
+
 def _burst(runner, session, req, canvas, known, on_iteration):
     """Draft, verify, accept, commit until every row is complete.
 
     Exact-shape runners drop finished rows once they are at least half of the
     working batch (a row gather of the cache, at most log2(B) times); bucketed
-    ones keep the batch static and mask finished rows.
+    ones keep the batch static and mask finished rows, and without an
+    ``on_iteration`` callback (which sees every iteration's canvas) they run
+    :func:`_burst_pipelined`.
     """
+    if runner.buckets and on_iteration is None:
+        return _burst_pipelined(runner, session, req, canvas, known)
     B, T = canvas.shape
     device = canvas.device
     live = None  # full-batch row of each working row; None while they are rows 0..B-1
@@ -266,8 +330,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
         for R in sorted({engine.r_bucket(r, T) for r in range(1, T + 1)}):
             session = engine.start(req.canvas, req.known)
             for _ in range(2):
-                d = BurstDraws(*(_pad_rows(t, None, session.batch_size)
-                                 for t in draw_burst(g, B, req.num_orders, T, device)))
+                d = _padded(draw_burst(g, B, req.num_orders, T, device), session.batch_size)
                 engine.burst(session, d, R, req.temperature, req.top_k, req.acceptance)
     return engine
 

@@ -139,6 +139,50 @@ def test_compiled_steps_take_more_shapes_than_dynamos_default_limit(model):
         assert torch.equal(got, want), i
 
 
+class _Status:
+    """A step's status tensor that logs when the loop reads it."""
+
+    def __init__(self, status, events, k):
+        self.status, self.events, self.k = status, events, k
+
+    def tolist(self):
+        self.events.append(("read", self.k))
+        return self.status.tolist()
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["pipelined", "with-on_iteration"])
+def test_bucketed_burst_queues_the_next_iteration_before_reading_a_status(hook):
+    """With static shapes the status of iteration i is read only once iteration i + 1 is queued (the device
+    never waits for the host); an ``on_iteration`` callback, which sees each iteration's canvas, reads every
+    status before the next launch. Same tokens and statistics either way."""
+    length = 40
+    model = tiny_model(VOCAB, length, seed=4, std=0.5, n_embd=16)
+    engine = sigmafast.Engine(model, buckets=True)
+    events, real = [], engine.burst
+
+    def burst(*args):
+        k = sum(e == "launch" for e, _ in events)
+        events.append(("launch", k))
+        n_commit, n, status = real(*args)
+        return n_commit, n, _Status(status, events, k)
+
+    engine.burst = burst
+    idx = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(strategy="burst", acceptance="paper", num_orders=3, return_stats=True)
+    out, stats = sigmafast.generate(engine, idx, length - 4, generator=torch.Generator().manual_seed(1),
+                                    on_iteration=(lambda canvas, known: None) if hook else None, **kwargs)
+    want, s_want = sigmafast.generate(model, idx, length - 4, generator=torch.Generator().manual_seed(1), **kwargs)
+    assert torch.equal(out, want) and torch.equal(stats.accepted, s_want.accepted)
+    reads = [k for e, k in events if e == "read"]
+    launches = [k for e, k in events if e == "launch"]
+    assert reads == list(range(int(stats.iterations.max()))) and len(reads) >= 3
+    queued_next = [k + 1 in launches and events.index(("launch", k + 1)) < events.index(("read", k)) for k in reads]
+    if hook:
+        assert not any(queued_next), events
+    else:  # the last iteration may have bounded the next one to nothing left
+        assert all(queued_next[:-1]), events
+
+
 def test_engine_defaults_and_bad_input(model):
     engine = sigmafast.Engine(model)
     assert not engine.buckets and not engine.cuda_graphs  # CPU: exact shapes, no graphs
