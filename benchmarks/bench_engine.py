@@ -23,6 +23,9 @@ Random-weight models of the ``tiny``, ``small`` and ``gpt2`` presets
   median of the later ones apart; ``later_iterations_ms`` is the timed calls'
   time less that first iteration, per later iteration (unsynced: the engine
   queues each iteration before reading the previous one's status).
+  ``burst-sync-<shape>-B<b>``: the same through ``Engine(lookahead=False)``,
+  which reads every status before the next launch; ``ar-inductor`` and
+  ``burst-inductor``: through ``Engine(compile_steps="inductor")`` (CUDA only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
 * ``anchor-{eager,compiled}-<shape>-B<b>``: the static-KV-cache decoder of
@@ -74,9 +77,11 @@ STRATEGIES = {
     "burst": dict(strategy="burst", num_orders=5, acceptance="paper"),
     "ar-inductor": dict(strategy="autoregressive", order="left-to-right"),  # Engine(compile_steps="inductor")
     "burst-inductor": dict(strategy="burst", num_orders=5, acceptance="paper"),
+    "burst-sync": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(lookahead=False)
 }
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
 COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
+ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-sync": dict(lookahead=False)}
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -291,8 +296,8 @@ def test_engine(benchmark, strategy, shape, batch):
     kwargs = {**STRATEGIES[strategy], **SAMPLING}
     warmup = getattr(sigmafast, "warmup", None)
     target, warmup_s = model, None
-    if strategy in COMPILED:
-        target = sigmafast.Engine(model, compile_steps=COMPILED[strategy])
+    if strategy in ENGINE_OPTIONS:
+        target = sigmafast.Engine(model, **ENGINE_OPTIONS[strategy])
     if warmup is not None:
         opts = {k: v for k, v in kwargs.items() if k != "order"}
         t0 = time.perf_counter()

@@ -59,6 +59,7 @@ class EagerRunner:
     """Runs the steps as plain calls on any session (oracles): exact shapes, finished rows dropped."""
 
     buckets = False
+    lookahead = False
 
     def __init__(self, conds) -> None:
         self.conds = conds
@@ -127,7 +128,12 @@ class Engine(EagerRunner):
     ``torch.compile`` backend name, e.g. "inductor") compiles the step functions
     with ``fullgraph=True`` first, fusing their small ops; it costs a compilation
     per shape (one for autoregressive sampling, one per R bucket for burst; up to
-    ``RECOMPILE_LIMIT`` per step function). Pass the engine to
+    ``RECOMPILE_LIMIT`` per step function). ``lookahead`` (with buckets; the
+    default) queues each burst iteration before reading the previous one's
+    status, with an R bucket bounded one iteration late: the GPU never waits for
+    the host, at the cost of an occasional larger bucket and one surplus
+    iteration per call (see ``sampler._burst_pipelined``); False reads every
+    status before the next launch. Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
@@ -135,7 +141,7 @@ class Engine(EagerRunner):
     _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
-                 compile_steps: Optional[str] = None, max_sessions: int = 8) -> None:
+                 compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = True) -> None:
         if not is_sigma_gpt(model) or getattr(model, "objective", "sigma") != "sigma":
             raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
         on_cuda = next(model.parameters()).is_cuda
@@ -151,6 +157,9 @@ class Engine(EagerRunner):
         if compile_steps is not None:  # fuse the step's small ops (then captured as usual)
             self._burst_step = _compile_step(steps.burst_step, compile_steps)
             self._ar_step = _compile_step(steps.ar_step, compile_steps)
+        if not isinstance(lookahead, bool):
+            raise TypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
+        self.lookahead = lookahead
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.max_sessions = max_sessions

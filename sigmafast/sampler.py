@@ -257,11 +257,11 @@ def _burst(runner, session, req, canvas, known, on_iteration):
 
     Exact-shape runners drop finished rows once they are at least half of the
     working batch (a row gather of the cache, at most log2(B) times); bucketed
-    ones keep the batch static and mask finished rows, and without an
-    ``on_iteration`` callback (which sees every iteration's canvas) they run
-    :func:`_burst_pipelined`.
+    ones keep the batch static and mask finished rows, and with ``lookahead``
+    and no ``on_iteration`` callback (which sees every iteration's canvas) they
+    run :func:`_burst_pipelined`.
     """
-    if runner.buckets and on_iteration is None:
+    if runner.buckets and runner.lookahead and on_iteration is None:
         return _burst_pipelined(runner, session, req, canvas, known)
     B, T = canvas.shape
     device = canvas.device

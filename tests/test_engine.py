@@ -150,14 +150,16 @@ class _Status:
         return self.status.tolist()
 
 
-@pytest.mark.parametrize("hook", [False, True], ids=["pipelined", "with-on_iteration"])
-def test_bucketed_burst_queues_the_next_iteration_before_reading_a_status(hook):
+@pytest.mark.parametrize("hook,lookahead", [(False, True), (True, True), (False, False)],
+                         ids=["pipelined", "with-on_iteration", "lookahead-off"])
+def test_bucketed_burst_queues_the_next_iteration_before_reading_a_status(hook, lookahead):
     """With static shapes the status of iteration i is read only once iteration i + 1 is queued (the device
-    never waits for the host); an ``on_iteration`` callback, which sees each iteration's canvas, reads every
-    status before the next launch. Same tokens and statistics either way."""
+    never waits for the host); an ``on_iteration`` callback, which sees each iteration's canvas, or
+    ``lookahead=False`` reads every status before the next launch. Same tokens and statistics either way."""
     length = 40
     model = tiny_model(VOCAB, length, seed=4, std=0.5, n_embd=16)
-    engine = sigmafast.Engine(model, buckets=True)
+    engine = sigmafast.Engine(model, buckets=True, lookahead=lookahead)
+    sync = hook or not lookahead
     events, real = [], engine.burst
 
     def burst(*args):
@@ -177,7 +179,7 @@ def test_bucketed_burst_queues_the_next_iteration_before_reading_a_status(hook):
     launches = [k for e, k in events if e == "launch"]
     assert reads == list(range(int(stats.iterations.max()))) and len(reads) >= 3
     queued_next = [k + 1 in launches and events.index(("launch", k + 1)) < events.index(("read", k)) for k in reads]
-    if hook:
+    if sync:
         assert not any(queued_next), events
     else:  # the last iteration may have bounded the next one to nothing left
         assert all(queued_next[:-1]), events
@@ -199,6 +201,8 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, compile_steps=True)
     with pytest.raises(ValueError, match="max_sessions must be an int >= 1"):
         sigmafast.Engine(model, max_sessions=0)
+    with pytest.raises(TypeError, match="lookahead must be a bool"):
+        sigmafast.Engine(model, lookahead=1)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         sigmafast.warmup(model, 0, T)
     with pytest.raises(TypeError, match="batch_size must be an int >= 1, got float"):
