@@ -102,7 +102,8 @@ def _cases(dtype: torch.dtype):
         yield f"residual sample T={T} top-k={k}", lambda T=T, k=k: sampling.launch(x, p, u, T, k)
         yield f"draft log q T={T} top-k={k}", lambda T=T, k=k: accept.draft_logq(x, d, T, k)
     yield "draft argmax (greedy acceptance)", lambda: accept.draft_logq(x, d, 0.0)
-    yield "top-k threshold (radix select)", lambda: topk.kth_largest(x, 50)
+    yield "top-k threshold (chunk-max prefilter)", lambda: topk.kth_largest(x, 50)
+    yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)
     yield "fused LM head log q", lambda: accept.lm_head_logq(h, w, d, 1.0)
     yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
     for D in (64, 128):

@@ -1,41 +1,67 @@
-"""The k-th largest logit of each row (the top-k threshold) by radix select, without a sort.
+"""The k-th largest logit of each row (the top-k threshold), without a sort.
 
 Top-k sampling keeps the logits ``>= kth`` of a row, where ``kth`` is its k-th
 largest value (ties with it are kept, as in ``reference.process_logits``). The
 reference is ``torch.topk(x, k).values[:, -1]``, which sorts k values per row
 and, on a GPU, costs several times the read of the logits (H200, 1280 × 50257
-bf16 rows, top-k 50: 85% of the vocabulary ops' time).
+bf16 rows, top-k 50: 560 µs, against ~30 µs for one read).
 
-Radix select. Each float maps to an integer key with the same order (below).
-The key is found 8 bits at a time, from the top: pass p histograms digit p of
-the keys whose higher digits equal the prefix found so far, and the digit where
-the count from the top reaches the remaining rank is the next digit of the k-th
-largest key. bf16 values need the top 16 bits of their fp32 key (2 passes),
-fp16 the top 24 (3), fp32 all 32 (4).
+Keys. Each float maps to a uint32 key with the same order (``order_key32``;
+every NaN to the largest key, as torch.topk ranks NaN above +inf). No float has
+key 0, which marks the columns outside a row.
+
+Chunk-max prefilter (``kth_largest`` when NC >= top_k). Cut each row into NC
+chunks of ``CHUNK`` columns and let t0 be the k-th largest chunk maximum. At
+least k chunks hold an element >= t0, so the k-th largest element is >= t0:
+it and every element above it are candidates (keys >= t0), and it is the k-th
+largest candidate. Only the chunks whose max is >= t0 hold candidates: about k
+of them (k of GPT-2's 393 chunks) for iid rows, where the top elements rarely
+share a chunk, so a row has a little over k candidates.
+
+* ``_chunk_max_kernel``, grid (rows, window tiles of ``BLOCK_V``): the (N, NC)
+  chunk maximum keys of the aligned windows (``vocab.row_window``), one read.
+* ``_pivot_kernel``, grid (row blocks,): t0 of each row from its NC maxima;
+  zeroes the row's candidate count.
+* ``_collect_kernel``, grid (rows, cdiv(NC, 32)), one warp: loops over the set
+  bits of the mask of its 32 chunks whose max is >= t0 (a program without any
+  returns at once), loads only those chunks and appends each candidate key to
+  the row's list of ``CAP`` by an atomic slot (Triton aggregates the atomics
+  per warp): about k / NC of a second read (13% for top-k 50).
+* ``_cand_select_kernel``, grid (rows,): the k-th largest candidate. A row with
+  more than CAP candidates (ties, rows of -inf, adversarial data) bisects over
+  its whole row from global memory instead: KEY_BITS reads, for such rows only.
+
+Bisection finds the k-th largest of a set of keys bit by bit from the top: bit
+b is kept when at least k keys are >= prefix | b. bf16 values need the top 16
+bits of their fp32 key, fp16 24, fp32 all 32; below them a key's bits are 0
+for positive values and 1 for negative ones (the sign flip).
+
+Radix select (``radix_kth_largest``: the fallback when NC < top_k, top-k above
+~V / 128). The key is found 8 bits at a time, from the top: pass p histograms
+digit p of the keys whose higher digits equal the prefix found so far, and the
+digit where the count from the top reaches the remaining rank is the next digit
+of the k-th largest key (2 passes for bf16, 3 for fp16, 4 for fp32).
 
 * ``_radix_hist_kernel``, grid (rows, NC): one row × one aligned window chunk
-  of ``RADIX_CHUNK`` columns (``vocab.row_window``); one ``tl.histogram`` of
-  the matching keys' digits, added into the row's (256,) int32 counts by
-  atomics on the nonzero bins only (logits fall in few exponent bins, so there
-  are few atomics). The keys are uint32 (``order_key32``: one integer op).
+  of ``RADIX_CHUNK`` columns; one ``tl.histogram`` of the matching keys'
+  digits, added into the row's (256,) int32 counts by atomics on the nonzero
+  bins only (logits fall in few exponent bins, so there are few atomics).
 * ``_radix_select_kernel``, grid (row blocks,): picks each row's digit, updates
   its prefix and remaining rank, zeroes the counts for the next pass, and
   writes the float of the prefix (after the last pass, the k-th largest value).
 
 One row per program because of how ``tl.histogram`` compiles. Up to Triton
 3.7 (3.6 is what torch 2.11 brings) it counts by warp ballots: every element
-pays for every bin a thread owns, bins / 32 of them. Four rows of 256 bins
-cost 152 sm_90 SASS instructions per element of an interior chunk; one row,
-67. From Triton 3.8 it is a shared-memory atomic per element, and the count
-falls from 25.5 to 19. bf16 keys under 3.6: 8-bit digits (two passes) cost
-about what 4- to 7-bit digits do in their three or four passes, so the digits
-stay 8 bits (``benchmarks/RESULTS.md``).
+pays for every bin a thread owns, bins / 32 of them (one row of 256 bins: 67
+sm_90 SASS instructions per element of an interior chunk; 1280 bf16 rows of
+GPT-2 took 491 µs on the H200). From Triton 3.8 it is a shared-memory atomic
+per element (19 instructions).
 
-Every pass reads each row once, so the threshold costs 2 reads of bf16 logits.
-The launchers call ``threshold``, which takes these kernels on CUDA (not yet
-timed on a GPU: benchmarks/bench_kernels.py ``test_topk_threshold``).
-The shift and all sizes are run-time arguments (``do_not_specialize``): each
-kernel compiles once per dtype.
+The launchers call ``threshold``, which takes these kernels on CUDA (the
+prefilter is not yet timed on a GPU: benchmarks/bench_kernels.py
+``test_topk_threshold``). All sizes, counts and k are run-time arguments
+(``do_not_specialize``); the launches are CUDA-graph capturable (no host
+syncs, buffers sized from N, V and CAP): each kernel compiles once per dtype.
 """
 
 from __future__ import annotations
@@ -55,13 +81,18 @@ DIGIT_BITS = tl.constexpr(8)
 RADIX_CHUNK = 4096  # columns per histogram program
 SELECT_ROWS = 16
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 24, torch.float32: 32}  # top key bits that can differ
+CHUNK = 128  # columns per chunk maximum
+TILE_V = 4096  # columns per chunk-max and collect program
+CAP = 1024  # candidate keys kept per row
+PIVOT_TILE = 2048  # chunk maxima per pivot program (8 per thread: Triton 3.9 counts 16 through the stack)
+SCAN_V = 2048  # columns per step of the overflow path's row scans
 
 
 @triton.jit
 def order_key32(b_x):
-    """fp32 -> uint32 keys with the floats' order (-inf lowest, NaN above +inf): positive floats get the
-    sign bit set, negative ones every bit flipped."""
-    b_i = b_x.to(tl.int32, bitcast=True)
+    """fp32 -> uint32 keys with the floats' order (-inf lowest at 0x7FFFFF, any NaN highest at 0xFFFFFFFF):
+    positive floats get the sign bit set, negative ones every bit flipped."""
+    b_i = tl.where(b_x == b_x, b_x.to(tl.int32, bitcast=True), 0x7FFFFFFF)
     return (b_i ^ ((b_i >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
 
 
@@ -71,6 +102,130 @@ def key_value(key):
     b_i = (key - 2147483648).to(tl.int32)
     b_i = b_i ^ ((b_i >> 31) & 0x7FFFFFFF)
     return b_i.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def low_filled(prefix, BITS: tl.constexpr):
+    """uint32 keys resolved in their top BITS bits -> the fp32 values: the bits below are those of the dtype's
+    keys (0 for positive values, 1 for negative ones)."""
+    low = tl.where(prefix < 2147483648, (1 << (32 - BITS)) - 1, 0).to(tl.uint32)
+    return key_value((prefix | low).to(tl.int64))
+
+
+@triton.jit
+def bisect_keys(b_key, k, ROWS: tl.constexpr, BITS: tl.constexpr):
+    """(ROWS,) k-th largest of each row of (ROWS, M) uint32 keys (0 = none), in its top BITS bits (below 0)."""
+    prefix = tl.zeros([ROWS], tl.uint32)
+    bit = tl.full([ROWS], 2147483648, tl.uint32)
+    for _i in range(BITS):
+        trial = prefix | bit
+        cnt = tl.sum((b_key >= trial[:, None]).to(tl.int32), 1)
+        prefix = tl.where(cnt >= k, trial, prefix)
+        bit = bit >> 1
+    return prefix
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "V", "NC"])
+def _chunk_max_kernel(
+    X, CMAX, s_x, N, V, NC,
+    BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """(N, NC) int32 bits of the max key of each CHUNK-column window chunk (0 where it holds no column)."""
+    o_n64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,) this row
+    p = tl.program_id(1)
+    m_n = o_n64 < N
+    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (1,) each
+    o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
+    o_b = o_c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # (BLOCK_V // CHUNK, CHUNK) window offsets
+    if is_interior(p, V, BLOCK_V, ALIGN):  # uniform: no column masks inside the rows
+        b_key = order_key32(tl.load(X + o_base[:, None] + o_b).to(tl.float32))
+    else:
+        _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)
+        b_key = order_key32(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
+        b_key = tl.where(m_v, b_key, 0)
+    tl.store(CMAX + o_n64 * NC + o_c, tl.max(b_key, 1).to(tl.int32, bitcast=True), mask=m_n & (o_c < NC))
+
+
+@triton.jit(do_not_specialize=["N", "NC", "top_k"])
+def _pivot_kernel(CMAX, T0, COUNT, N, NC, top_k, BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, BITS: tl.constexpr):
+    """Each row's t0, the k-th largest of its chunk maxima (at least 1, above the columns outside the row),
+    and a zero candidate count."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    o_c = tl.arange(0, NC_PAD)[None, :]
+    b_key = tl.load(CMAX + o_n64[:, None] * NC + o_c, mask=m_n[:, None] & (o_c < NC), other=0)
+    t0 = tl.maximum(bisect_keys(b_key.to(tl.uint32, bitcast=True), top_k, BLOCK_N, BITS), 1)
+    tl.store(T0 + o_n64, t0.to(tl.int32, bitcast=True), mask=m_n)
+    tl.store(COUNT + o_n64, tl.zeros([BLOCK_N], tl.int32), mask=m_n)
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "V", "NC"])
+def _collect_kernel(
+    X, CMAX, T0, COUNT, CAND, s_x, N, V, NC,
+    CHUNK: tl.constexpr, CAP: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Append the keys >= t0 of chunks [32 p, 32 p + 32) of row n to the row's (CAP,) candidates (the count
+    goes on past CAP), loading only the chunks whose max is >= t0: a loop over the set bits of their mask."""
+    n = tl.program_id(0).to(tl.int64)
+    o_n64 = n + tl.arange(0, 1)  # (1,) this row
+    m_n = o_n64 < N
+    t0 = tl.load(T0 + n).to(tl.uint32, bitcast=True)
+    o_j = tl.arange(0, 32)
+    o_c = tl.program_id(1) * 32 + o_j
+    b_cm = tl.load(CMAX + n * NC + o_c, mask=o_c < NC, other=0).to(tl.uint32, bitcast=True)
+    bits = tl.sum(tl.where(b_cm >= t0, tl.full([32], 1, tl.uint32) << o_j.to(tl.uint32), 0), 0)  # uniform
+    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
+    p_cnt = tl.broadcast_to(COUNT + o_n64[:, None], [1, CHUNK])
+    while bits != 0:  # about k of a row's NC chunks qualify
+        low = bits & (0 - bits)  # the lowest set bit; its float's exponent is its index
+        c = tl.program_id(1) * 32 + (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+        bits = bits ^ low
+        o_b = c * CHUNK + tl.arange(0, CHUNK)[None, :]  # (1, CHUNK) window offsets
+        _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)
+        b_key = order_key32(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
+        m_k = m_v & (b_key >= t0)
+        slot = tl.atomic_add(p_cnt, 1, mask=m_k, sem="relaxed")  # the old counts: one slot per candidate
+        tl.store(CAND + o_n64[:, None] * CAP + slot, b_key.to(tl.int32, bitcast=True), mask=m_k & (slot < CAP))
+
+
+@triton.jit
+def bisect_row(X, o_n64, m_n, s_x, V, k, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+               BITS: tl.constexpr):
+    """(1,) k-th largest key of row n, in its top BITS bits, by bisection over the row read from global memory
+    once per bit (the overflow path)."""
+    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
+    prefix = tl.zeros([1], tl.uint32)
+    bit = tl.full([1], 2147483648, tl.uint32)
+    for _i in range(BITS):
+        trial = (prefix | bit)[:, None]
+        cnt = tl.zeros([1], tl.int32)
+        for start in range(0, V + ALIGN - 1, SCAN_V):
+            o_b = start + tl.arange(0, SCAN_V)[None, :]
+            _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)
+            b_key = order_key32(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
+            cnt += tl.sum((m_v & (b_key >= trial)).to(tl.int32), 1)
+        prefix = tl.where(cnt >= k, prefix | bit, prefix)
+        bit = bit >> 1
+    return prefix
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "V", "top_k"])
+def _cand_select_kernel(
+    X, CAND, COUNT, OUT, s_x, N, V, top_k,
+    CAP: tl.constexpr, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, BITS: tl.constexpr,
+):
+    """Each row's k-th largest value: of its candidates, or of its whole row when they overflowed CAP."""
+    o_n64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,) this row
+    m_n = o_n64 < N
+    count = tl.load(COUNT + o_n64, mask=m_n, other=0)
+    if tl.max(count) > CAP:  # uniform: one row per program
+        prefix = bisect_row(X, o_n64, m_n, s_x, V, top_k, SCAN_V, STRIDE_UNIT, ALIGN, BITS)
+    else:
+        o_s = tl.arange(0, CAP)[None, :]
+        b_key = tl.load(CAND + o_n64[:, None] * CAP + o_s, mask=o_s < count[:, None], other=0)
+        prefix = bisect_keys(b_key.to(tl.uint32, bitcast=True), top_k, 1, BITS)
+    tl.store(OUT + o_n64, low_filled(prefix, BITS), mask=m_n)
 
 
 @triton.jit(do_not_specialize=["s_x", "N", "V", "shift"])
@@ -125,10 +280,57 @@ def _radix_select_kernel(PREFIX, KREM, HIST, OUT, N, shift, BLOCK_N: tl.constexp
     tl.store(OUT + o_n64, key_value(prefix | low), mask=m_n)
 
 
-def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None) -> torch.Tensor:
+
+def prefilter_config(V: int, dtype: torch.dtype, top_k: int, block_v: Optional[int] = None,
+                     chunk: Optional[int] = None):
+    """(split config of the BLOCK_V-column programs, CHUNK, NC) of the chunk-max prefilter for rows of V ``dtype``
+    logits (``block_v`` and ``chunk``, powers of two, override the defaults), or None when it has fewer
+    chunks than ``top_k`` (radix select then)."""
+    cfg = split_config(V, dtype, block_v or min(TILE_V, triton.next_power_of_2(V + 15)))
+    chunk = min(chunk or CHUNK, cfg.block_v)
+    nc = triton.cdiv(V + cfg.align - 1, chunk)  # chunks of the aligned windows
+    return (cfg, chunk, nc) if nc >= top_k else None
+
+
+def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None, chunk: Optional[int] = None,
+                cap: int = CAP) -> torch.Tensor:
     """(N,) float32 k-th largest value of each row of (N, V) float32/float16/bfloat16 ``logits``, 1 <= top_k
     <= V (no checks: ``threshold`` is the launchers' entry). Equals ``logits.topk(top_k).values[:, -1]``
-    exactly (``reference.kth_largest``); ``block_v`` (a power of two) overrides the vocabulary chunk."""
+    exactly (``reference.kth_largest``). The chunk-max prefilter when the rows have at least ``top_k``
+    chunks, else ``radix_kth_largest``; ``block_v``, ``chunk`` and ``cap`` (powers of two) override the
+    columns per program, the columns per chunk and the candidates per row (small ones for the tests)."""
+    N, V = logits.shape
+    config = prefilter_config(V, logits.dtype, top_k, block_v, chunk)
+    if config is None:
+        return radix_kth_largest(logits, top_k, block_v)
+    cfg, chunk, nc = config
+    out = torch.empty(N, dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return out
+    logits = aligned_rows(logits, cfg.unit)
+    s_x = row_stride(logits) // cfg.unit
+    bits = KEY_BITS[logits.dtype]
+    cmax = torch.empty(N, nc, dtype=torch.int32, device=logits.device)
+    t0 = torch.empty(N, dtype=torch.int32, device=logits.device)
+    count = torch.empty(N, dtype=torch.int32, device=logits.device)
+    cand = torch.empty(N, cap, dtype=torch.int32, device=logits.device)
+    _chunk_max_kernel[(N, cfg.nc)](logits, cmax, s_x, N, V, nc, BLOCK_V=cfg.block_v, CHUNK=chunk,
+                                   STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=max(1, min(4, cfg.block_v // 1024)))
+    nc_pad = triton.next_power_of_2(nc)
+    rows = max(1, PIVOT_TILE // nc_pad)
+    _pivot_kernel[(triton.cdiv(N, rows),)](cmax, t0, count, N, nc, top_k, BLOCK_N=rows, NC_PAD=nc_pad, BITS=bits,
+                                           num_warps=8)
+    _collect_kernel[(N, triton.cdiv(nc, 32))](
+        logits, cmax, t0, count, cand, s_x, N, V, nc,
+        CHUNK=chunk, CAP=cap, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=1,
+    )
+    _cand_select_kernel[(N,)](logits, cand, count, out, s_x, N, V, top_k, CAP=cap, SCAN_V=SCAN_V,
+                              STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, BITS=bits, num_warps=4)
+    return out
+
+
+def radix_kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None) -> torch.Tensor:
+    """``kth_largest`` by radix select (``block_v`` overrides the columns per histogram program)."""
     N, V = logits.shape
     out = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
@@ -151,9 +353,9 @@ def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None)
 
 
 def threshold(logits: torch.Tensor, top_k: Optional[int], block_v: Optional[int] = None) -> Optional[torch.Tensor]:
-    """The vocabulary launchers' (N,) float32 top-k threshold (None when top-k keeps the whole row): radix
-    select on CUDA; ``torch.topk`` in the CPU interpreter, where interpreting the radix passes over
-    thousands of rows costs minutes (the radix kernels are tested there on their own)."""
+    """The vocabulary launchers' (N,) float32 top-k threshold (None when top-k keeps the whole row):
+    ``kth_largest`` on CUDA; ``torch.topk`` in the CPU interpreter, where interpreting the kernels over
+    thousands of rows costs minutes (they are tested there on their own)."""
     if top_k is None or top_k >= logits.shape[-1]:
         return None
     if logits.is_cuda:

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {
     "_cascade_attn_kernel", "_combine_kernel", "_chunk_stats_kernel", "_sample_kernel", "_residual_mass_kernel",
     "_residual_kernel", "_logq_finish_kernel", "_draft_argmax_kernel", "_radix_hist_kernel", "_radix_select_kernel",
+    "_chunk_max_kernel", "_pivot_kernel", "_collect_kernel", "_cand_select_kernel",
     "_lm_head_logq_kernel", "_commit_kv_kernel", "_commit_state_kernel", "_add_layer_norm_kernel",
     "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel", "_burst_status_kernel",
     "_gather_drafts_kernel",
@@ -36,6 +37,7 @@ def report(tmp_path_factory):
         pytest.skip("triton has no bundled NVIDIA ptxas here: cannot compile for sm_90")
     out = tmp_path_factory.mktemp("sm90") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # this checkout's kernels
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), "--dtypes", "bf16,fp32",
                            "--json", str(out)], capture_output=True, text=True, env=env, timeout=1200)
     if not out.exists():

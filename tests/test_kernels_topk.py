@@ -1,5 +1,6 @@
-"""The top-k threshold by radix select (kernels/topk.py) against ``reference.kth_largest`` (torch.topk):
-exact equality in every dtype, over ragged chunks, one-element rows, ties, infinities and signed zeros."""
+"""The top-k threshold (kernels/topk.py: chunk-max prefilter, radix select) against ``reference.kth_largest``
+(torch.topk): exact equality in every dtype, over ragged chunks, one-element rows, ties, infinities, NaN, signed
+zeros and rows whose candidates overflow."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def _rows(kind, N, V, g):
         x[:, ::5] = float("inf")
         x[:, 1::5] = torch.finfo(torch.float16).max
         x[:, 2::5] = -torch.finfo(torch.float16).max
+    elif kind == "equal":  # every value ties: every column is a candidate
+        x = x[:, :1].expand(N, V).clone()
+    elif kind == "nan":  # row i holds i NaNs of either sign (torch.topk ranks them above +inf)
+        for i in range(N):
+            cols = torch.randperm(V, generator=g)[:i]
+            x[i, cols] = torch.where(torch.arange(i) % 2 == 0, float("nan"), -float("nan"))
+    elif kind == "one-chunk":  # the top values share one chunk: many candidates
+        x[:, 200:330] += 100.0
     return x
 
 
@@ -68,16 +77,76 @@ def test_kth_largest_matches_topk(case, dtype, poisoned_empty):
     torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0)
 
 
-def test_kth_largest_strided_rows(poisoned_empty):
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=_cid)
+def test_radix_select_matches_topk(case, dtype, poisoned_empty):
+    """The radix select on its own, where ``kth_largest`` takes the prefilter (it takes the radix select only
+    when the rows have fewer chunks than k)."""
+    kind, N, V, k, block_v = case
+    if topk.prefilter_config(V, dtype, k, block_v) is None:
+        pytest.skip("kth_largest takes the radix select here: test_kth_largest_matches_topk")
+    g = torch.Generator().manual_seed(zlib.crc32(_cid(case).encode()))
+    x = _rows(kind, N, V, g).to(dtype)
+    got = on_triton_device(topk.radix_kth_largest)(x, k, block_v)
+    torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0)
+
+
+# V = 3000 has 24 chunks of 128 columns in every dtype (its aligned windows span up to V + 7 columns)
+PREFILTER_CASES = [
+    # (kind, N, V, top_k, block_v, chunk, cap, path)
+    ("randn", 1, 3000, 1, None, None, None, "prefilter"),  # one row, the max
+    ("randn", 3, 3000, 24, None, None, None, "prefilter"),  # k = NC
+    ("randn", 3, 3000, 25, None, None, None, "radix"),  # k = NC + 1: the fallback
+    ("randn", 2, 9000, 50, None, None, None, "prefilter"),  # an interior program between two edge ones
+    ("randn", 4, 3000, 30, 64, 16, None, "prefilter"),  # 188 chunks: several collect programs
+    ("randn", 3, 3000, 10, None, 32, 4, "prefilter"),  # cap < k: the candidates overflow, the row is scanned
+    ("negative", 3, 1000, 13, None, 16, None, "prefilter"),
+    ("ties", 5, 1000, 10, None, 32, None, "prefilter"),  # ties at the threshold
+    ("equal", 3, 3000, 7, None, None, None, "prefilter"),  # 3000 candidates > CAP: scanned over 2 tiles
+    ("neg-inf", 4, 3000, 40, None, 32, None, "prefilter"),  # ~32 finite chunks: t0 = -inf, all candidates
+    ("neg-inf", 3, 1000, 400, None, 2, None, "prefilter"),  # the k-th largest is -inf
+    ("nan", 5, 1000, 3, None, 32, None, "prefilter"),  # NaN of both signs, the k-th largest NaN in 2 rows
+    ("one-chunk", 3, 3000, 5, None, None, None, "prefilter"),  # 130 candidates in one or two chunks
+    ("one-chunk", 2, 3000, 20, None, 32, 64, "prefilter"),  # ... more than cap
+    ("zeros", 4, 1000, 20, None, 16, None, "prefilter"),  # +0.0 and -0.0 tie, with different keys
+    ("huge", 3, 1000, 70, None, 8, None, "prefilter"),
+    ("randn", 3, 301, 3, 32, 16, None, "prefilter"),  # V not a multiple of 16, 32-column programs
+]
+
+
+def _pid(c):
+    kind, N, V, k, bv, chunk, cap, path = c
+    opts = "".join(f"-{name}{v}" for name, v in (("tile", bv), ("chunk", chunk), ("cap", cap)) if v)
+    return f"{path}-{kind}-N{N}-V{V}-k{k}{opts}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", PREFILTER_CASES, ids=_pid)
+def test_prefilter_matches_topk(case, dtype, poisoned_empty):
+    kind, N, V, k, block_v, chunk, cap, path = case
+    assert (topk.prefilter_config(V, dtype, k, block_v, chunk) is not None) == (path == "prefilter")
+    g = torch.Generator().manual_seed(zlib.crc32(_pid(case).encode()))
+    x = _rows(kind, N, V, g).to(dtype)
+    got = kth_largest(x, k, block_v, chunk, **({"cap": cap} if cap else {}))
+    assert got.dtype == torch.float32 and got.shape == (N,)
+    torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("k, block_v, chunk", [(9, 32, None), (30, None, 8), (9, None, None)],
+                         ids=["prefilter-tile32", "prefilter-chunk8", "radix"])
+def test_kth_largest_strided_rows(k, block_v, chunk, dtype, poisoned_empty):
     g = torch.Generator().manual_seed(3)
-    full = torch.randn(6, 301, generator=g).to(torch.bfloat16)
+    full = torch.randn(6, 301, generator=g).to(dtype)
     x = full[1:, 3:290]  # an offset view with an odd row stride
-    torch.testing.assert_close(kth_largest(x, 9, 32), ref.kth_largest(x, 9).float(), rtol=0, atol=0)
+    assert (topk.prefilter_config(287, dtype, k, block_v, chunk) is None) == (block_v is None and chunk is None)
+    torch.testing.assert_close(kth_largest(x, k, block_v, chunk), ref.kth_largest(x, k).float(), rtol=0, atol=0)
 
 
 def test_kth_largest_empty_batch_and_k_equal_to_v(poisoned_empty):
     x = torch.randn(3, 10)
-    assert kth_largest(x[:0], 4).shape == (0,)
+    assert kth_largest(x[:0], 4).shape == (0,)  # radix select
+    assert kth_largest(x[:0], 1).shape == (0,)  # prefilter
     torch.testing.assert_close(kth_largest(x, 10), x.min(-1).values, rtol=0, atol=0)
 
 
