@@ -10,13 +10,15 @@ Keys. Each float maps to a uint32 key with the same order (``order_key32``;
 every NaN to the largest key, as torch.topk ranks NaN above +inf). No float has
 key 0, which marks the columns outside a row.
 
-Chunk-max prefilter (``kth_largest`` when NC >= top_k). Cut each row into NC
+Chunk-max prefilter (``kth_largest`` when NC >= 4 top_k). Cut each row into NC
 chunks of ``CHUNK`` columns and let t0 be the k-th largest chunk maximum. At
 least k chunks hold an element >= t0, so the k-th largest element is >= t0:
 it and every element above it are candidates (keys >= t0), and it is the k-th
 largest candidate. Only the chunks whose max is >= t0 hold candidates: about k
 of them (k of GPT-2's 393 chunks) for iid rows, where the top elements rarely
-share a chunk, so a row has a little over k candidates.
+share a chunk, so a row has a little over k candidates. With fewer chunks per k
+the chunk maxima bound the threshold loosely and the candidates can overflow
+(below), so a row needs ``CHUNKS_PER_K`` chunks per k (top-k 98 for GPT-2).
 
 * ``_chunk_max_kernel``, grid (rows, window tiles of ``BLOCK_V``): the (N, NC)
   chunk maximum keys of the aligned windows (``vocab.row_window``), one read.
@@ -36,8 +38,8 @@ b is kept when at least k keys are >= prefix | b. bf16 values need the top 16
 bits of their fp32 key, fp16 24, fp32 all 32; below them a key's bits are 0
 for positive values and 1 for negative ones (the sign flip).
 
-Radix select (``radix_kth_largest``: the fallback when NC < top_k, top-k above
-~V / 128). The key is found 8 bits at a time, from the top: pass p histograms
+Radix select (``radix_kth_largest``: the fallback when NC < 4 top_k, top-k
+above ~V / 512). The key is found 8 bits at a time, from the top: pass p histograms
 digit p of the keys whose higher digits equal the prefix found so far, and the
 digit where the count from the top reaches the remaining rank is the next digit
 of the k-th largest key (2 passes for bf16, 3 for fp16, 4 for fp32).
@@ -86,6 +88,7 @@ TILE_V = 4096  # columns per chunk-max and collect program
 CAP = 1024  # candidate keys kept per row
 PIVOT_TILE = 2048  # chunk maxima per pivot program (8 per thread: Triton 3.9 counts 16 through the stack)
 SCAN_V = 2048  # columns per step of the overflow path's row scans
+CHUNKS_PER_K = 4  # chunks per unit of top_k that the prefilter needs (else radix select)
 
 
 @triton.jit
@@ -280,27 +283,26 @@ def _radix_select_kernel(PREFIX, KREM, HIST, OUT, N, shift, BLOCK_N: tl.constexp
     tl.store(OUT + o_n64, key_value(prefix | low), mask=m_n)
 
 
-
 def prefilter_config(V: int, dtype: torch.dtype, top_k: int, block_v: Optional[int] = None,
-                     chunk: Optional[int] = None):
+                     chunk: Optional[int] = None, chunks_per_k: int = CHUNKS_PER_K):
     """(split config of the BLOCK_V-column programs, CHUNK, NC) of the chunk-max prefilter for rows of V ``dtype``
     logits (``block_v`` and ``chunk``, powers of two, override the defaults), or None when it has fewer
-    chunks than ``top_k`` (radix select then)."""
+    than ``chunks_per_k * top_k`` chunks (radix select then)."""
     cfg = split_config(V, dtype, block_v or min(TILE_V, triton.next_power_of_2(V + 15)))
     chunk = min(chunk or CHUNK, cfg.block_v)
     nc = triton.cdiv(V + cfg.align - 1, chunk)  # chunks of the aligned windows
-    return (cfg, chunk, nc) if nc >= top_k else None
+    return (cfg, chunk, nc) if nc >= chunks_per_k * top_k else None
 
 
 def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None, chunk: Optional[int] = None,
-                cap: int = CAP) -> torch.Tensor:
+                cap: int = CAP, chunks_per_k: int = CHUNKS_PER_K) -> torch.Tensor:
     """(N,) float32 k-th largest value of each row of (N, V) float32/float16/bfloat16 ``logits``, 1 <= top_k
     <= V (no checks: ``threshold`` is the launchers' entry). Equals ``logits.topk(top_k).values[:, -1]``
-    exactly (``reference.kth_largest``). The chunk-max prefilter when the rows have at least ``top_k``
-    chunks, else ``radix_kth_largest``; ``block_v``, ``chunk`` and ``cap`` (powers of two) override the
-    columns per program, the columns per chunk and the candidates per row (small ones for the tests)."""
+    exactly (``reference.kth_largest``). The chunk-max prefilter when the rows have at least
+    ``chunks_per_k * top_k`` chunks, else ``radix_kth_largest``. The tests override the columns per program
+    (``block_v``), per chunk (``chunk``), the candidates per row (``cap``; powers of two) and ``chunks_per_k``."""
     N, V = logits.shape
-    config = prefilter_config(V, logits.dtype, top_k, block_v, chunk)
+    config = prefilter_config(V, logits.dtype, top_k, block_v, chunk, chunks_per_k)
     if config is None:
         return radix_kth_largest(logits, top_k, block_v)
     cfg, chunk, nc = config

@@ -124,10 +124,11 @@ def _pid(c):
 @pytest.mark.parametrize("case", PREFILTER_CASES, ids=_pid)
 def test_prefilter_matches_topk(case, dtype, poisoned_empty):
     kind, N, V, k, block_v, chunk, cap, path = case
-    assert (topk.prefilter_config(V, dtype, k, block_v, chunk) is not None) == (path == "prefilter")
+    """Down to one chunk per unit of k (``chunks_per_k=1``: the loosest bound the prefilter is exact with)."""
+    assert (topk.prefilter_config(V, dtype, k, block_v, chunk, 1) is not None) == (path == "prefilter")
     g = torch.Generator().manual_seed(zlib.crc32(_pid(case).encode()))
     x = _rows(kind, N, V, g).to(dtype)
-    got = kth_largest(x, k, block_v, chunk, **({"cap": cap} if cap else {}))
+    got = kth_largest(x, k, block_v, chunk, **({"cap": cap} if cap else {}), chunks_per_k=1)
     assert got.dtype == torch.float32 and got.shape == (N,)
     torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0, equal_nan=True)
 
@@ -139,8 +140,17 @@ def test_kth_largest_strided_rows(k, block_v, chunk, dtype, poisoned_empty):
     g = torch.Generator().manual_seed(3)
     full = torch.randn(6, 301, generator=g).to(dtype)
     x = full[1:, 3:290]  # an offset view with an odd row stride
-    assert (topk.prefilter_config(287, dtype, k, block_v, chunk) is None) == (block_v is None and chunk is None)
-    torch.testing.assert_close(kth_largest(x, k, block_v, chunk), ref.kth_largest(x, k).float(), rtol=0, atol=0)
+    assert (topk.prefilter_config(287, dtype, k, block_v, chunk, 1) is None) == (block_v is None and chunk is None)
+    got = kth_largest(x, k, block_v, chunk, chunks_per_k=1)
+    torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prefilter_needs_chunks_per_k_chunks_by_default(dtype):
+    """GPT-2's 50257 columns make 393 chunks of 128: the prefilter up to top-k 98, radix select above."""
+    assert topk.prefilter_config(50257, dtype, 98, None) is not None
+    assert topk.prefilter_config(50257, dtype, 99, None) is None
+    assert topk.prefilter_config(50257, dtype, 99, None, None, 1) is not None
 
 
 def test_kth_largest_empty_batch_and_k_equal_to_v(poisoned_empty):
