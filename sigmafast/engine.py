@@ -118,6 +118,7 @@ class NeuralSession:
         self.known = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
         self.last_tok = torch.full((batch_size,), cfg.bos_token_id, dtype=torch.long, device=device)
         self.last_pos = torch.full((batch_size,), cfg.start_pos, dtype=torch.long, device=device)
+        self.n_known = torch.zeros(batch_size, dtype=torch.long, device=device)  # the prefill's known counts
         self.vocab_size = V = cfg.vocab_size
         weight = model.lm_head.weight
         align = head_align or (HEAD_ALIGN if device.type == "cuda" else 1)
@@ -133,6 +134,13 @@ class NeuralSession:
     def prefill(self, canvas: torch.Tensor, known: torch.Tensor) -> None:
         """Load the first rows of the buffers with ``canvas``/``known`` (B' <= B; the other rows are
         complete padding) and feed each row's known tokens in ascending position order."""
+        m = self.load(canvas, known)
+        if m > 0:
+            self.feed_known(m)
+
+    def load(self, canvas: torch.Tensor, known: torch.Tensor) -> int:
+        """Reset the buffers to ``canvas``/``known`` (an empty cache); the largest known count of a row
+        (the prefill's one host read)."""
         cfg = self.model.config
         n = canvas.shape[0]
         if self.head_weight is not self.model.lm_head.weight:
@@ -144,14 +152,18 @@ class NeuralSession:
         self.known[:n].copy_(known)
         self.last_tok.fill_(cfg.bos_token_id)
         self.last_pos.fill_(cfg.start_pos)
-        n_known = torch.zeros_like(self.cache.lens)
-        n_known[:n] = known.sum(1)
-        m = int(n_known.max())  # the prefill's one host read
-        if m > 0:
-            order = (~self.known).to(torch.int8).argsort(dim=1, stable=True)[:, :m]  # (B, m) known first
-            tokens = self.canvas.gather(1, order)  # (B, m)
-            verified = self.verify(order[:, None], tokens[:, None])
-            self.commit(verified, torch.zeros_like(n_known), n_known, tokens)
+        self.n_known.zero_()
+        self.n_known[:n] = known.sum(1)
+        return int(self.n_known.max())
+
+    def feed_known(self, M: int) -> None:
+        """Feed each row's ``n_known`` known tokens (ascending positions) into the cache: a static-shape step
+        over M >= max ``n_known`` positions (a bucket), the first ``n_known`` of which are committed. The
+        steps past them are causal successors (they change nothing before them) and are never committed."""
+        order = (~self.known).to(torch.int8).argsort(dim=1, stable=True)[:, :M]  # (B, M) known first
+        tokens = self.canvas.gather(1, order)  # (B, M)
+        verified = self.verify(order[:, None], tokens[:, None])
+        self.commit(verified, torch.zeros_like(self.n_known), self.n_known, tokens)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (B',) of the batch (drops the static buffers: never under a graph)."""

@@ -11,7 +11,8 @@ An :class:`Engine` owns, per model:
 - **CUDA graphs** (on CUDA): a step whose key (shapes, sampling settings) was
   already run once eagerly, which compiled its Triton kernels, is captured
   the second time and replayed from then on. Replays need no host work but
-  drawing the iteration's random numbers into the static buffers.
+  drawing the iteration's random numbers into the static buffers. The prompt's
+  prefill is such a step too, over the R bucket of the largest known count.
 
 Without buckets (the CPU default, where padding only costs time) the engine
 runs exact shapes eagerly and drops finished rows once they are half of the
@@ -207,7 +208,13 @@ class Engine(EagerRunner):
                 self._static = {k: v for k, v in self._static.items() if k[0] != id(oldest)}
         else:
             session = NeuralSession(self.model, size, T, backend)
-        session.prefill(canvas, known)
+        m = session.load(canvas, known)
+        if m > 0:  # the prompt's prefill: a static-shape step over the bucket of the largest known count
+            M = self.r_bucket(m, T)
+            if self.cuda_graphs:
+                self._graphs.run(("prefill", id(session), M), lambda: session.feed_known(M))
+            else:
+                session.feed_known(M)
         return session
 
     def static(self, session, kind: str, tensors: tuple) -> tuple:

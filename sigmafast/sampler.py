@@ -319,9 +319,13 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     g = torch.Generator(device="cpu").manual_seed(0)
     B, T = req.canvas.shape
     with torch.no_grad(), eval_mode(target):
+        positions = torch.arange(T, device=device)
+        for M in sorted({engine.r_bucket(m, T) for m in range(1, T + 1)}):  # the prompts' prefill buckets
+            for _ in range(2):  # eager (compiles), then captured
+                engine.start(req.canvas, (positions < M).expand(B, T))
         if req.strategy == "autoregressive":
             session = engine.start(req.canvas, req.known)
-            plan = ar_plan(torch.arange(T, device=device).expand(B, T), draw(g, (B, T), device),
+            plan = ar_plan(positions.expand(B, T), draw(g, (B, T), device),
                            torch.zeros(B, dtype=torch.long, device=device))
             plan = engine.static(session, "ar", _pad_plan(plan, session.batch_size))
             for _ in range(2):  # eager (compiles), then captured

@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_model
 
 import sigmafast
-from sigmafast import kernels, steps
+from sigmafast import kernels, naive, steps
 from sigmafast.engine import NeuralSession
 from sigmafast.request import BurstDraws, draw, draw_burst
 
@@ -183,6 +183,24 @@ def test_bucketed_burst_queues_the_next_iteration_before_reading_a_status(hook, 
         assert not any(queued_next), events
     else:  # the last iteration may have bounded the next one to nothing left
         assert all(queued_next[:-1]), events
+
+
+def test_bucketed_prefill_pads_the_known_count_to_a_bucket():
+    """The prompt's prefill runs over the bucket of the largest known count (one static shape per bucket, so a
+    CUDA graph replays it), commits only each row's known tokens, and leaves the tokens the naive reference's."""
+    length = 40
+    model = tiny_model(VOCAB, length, seed=4, std=0.5, n_embd=16)
+    engine = sigmafast.Engine(model, buckets=True)
+    fed, real = [], NeuralSession.feed_known
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NeuralSession, "feed_known", lambda self, M: fed.append(M) or real(self, M))
+        for prompt, want_m in ((3, 16), (17, 32), (33, 40)):
+            idx = torch.randint(0, VOCAB, (3, prompt), generator=torch.Generator().manual_seed(prompt))
+            kwargs = dict(strategy="burst", acceptance="paper", num_orders=2)
+            got = sigmafast.generate(engine, idx, length - prompt, generator=torch.Generator().manual_seed(1),
+                                     **kwargs)
+            want = naive.generate(model, idx, length - prompt, generator=torch.Generator().manual_seed(1), **kwargs)
+            assert fed[-1] == want_m and torch.equal(got, want), prompt
 
 
 def test_engine_defaults_and_bad_input(model):
