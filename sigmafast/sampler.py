@@ -135,8 +135,11 @@ def generate(
         else:
             session = runner.start(canvas, known_now)
             prefill_calls = int(most > 0)
-            run = _autoregressive if autoregressive else _burst
-            accepted, lengths, calls = run(runner, session, req, canvas, known_now, on_iteration)
+            if autoregressive:
+                accepted, lengths, calls = _autoregressive(runner, session, req, canvas, known_now, on_iteration)
+            else:
+                accepted, lengths, calls = _burst(runner, session, req, canvas, known_now, on_iteration,
+                                                  max_left=canvas.shape[1] - fewest)
     if canvas.is_cuda:
         torch.cuda.synchronize(canvas.device)  # wall time of the finished work
     stats = build_stats(accepted, lengths, canvas.shape[0], canvas.device, prefill_calls + calls,
@@ -201,7 +204,7 @@ def _rng(generator: Optional[torch.Generator]) -> torch.Generator:
     return generator if generator is not None else torch.default_generator  # draw's default: the CPU RNG
 
 
-def _burst_pipelined(runner, session, req, canvas, known):
+def _burst_pipelined(runner, session, req, canvas, known, max_left: int):
     """The static-shape burst loop, one iteration ahead of the host read.
 
     Every unfinished row commits at least one token per iteration (the paper rule
@@ -213,12 +216,12 @@ def _burst_pipelined(runner, session, req, canvas, known):
     iteration i completes every row, iteration i + 1 (complete rows: it commits
     nothing) is dropped and its draws are given back to the generator, so the
     tokens, the statistics and the generator's state are those of
-    the synchronous loop.
+    the synchronous loop. ``max_left`` is the largest count of unknown positions
+    of a row, read before the prefill: the first launch needs no read.
     """
     B, T = canvas.shape
     gen = _rng(req.generator)
-    left = (~session.known).sum(1)
-    bound = int(left.max())  # the prefill's status
+    bound = max_left
     accepted, lengths, calls = [], [], 0
     in_flight = collections.deque()  # (status, n_commit, n, generator state before the draws)
     while True:
@@ -252,7 +255,7 @@ def _padded(d: BurstDraws, size: int) -> BurstDraws:
     return BurstDraws(*(_pad_rows(t, None, size) for t in d))
 
 
-def _burst(runner, session, req, canvas, known, on_iteration):
+def _burst(runner, session, req, canvas, known, on_iteration, max_left: int):
     """Draft, verify, accept, commit until every row is complete.
 
     Exact-shape runners drop finished rows once they are at least half of the
@@ -262,7 +265,7 @@ def _burst(runner, session, req, canvas, known, on_iteration):
     run :func:`_burst_pipelined`.
     """
     if runner.buckets and runner.lookahead and on_iteration is None:
-        return _burst_pipelined(runner, session, req, canvas, known)
+        return _burst_pipelined(runner, session, req, canvas, known, max_left)
     B, T = canvas.shape
     device = canvas.device
     live = None  # full-batch row of each working row; None while they are rows 0..B-1
