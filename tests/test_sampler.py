@@ -290,8 +290,9 @@ SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "non
 def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, strategy, acceptance, num_orders,
                                                            buckets):
     """Host reads of tensor values (syncs on a GPU) in the loop: one per burst iteration (the remaining
-    count and the non-finite flag, plus the final one that ends the loop); for autoregressive sampling,
-    one before the loop (the step count) and one after it (the non-finite flag), none per token."""
+    count and the non-finite flag), plus, for exact shapes, one before the first (bucketed: the largest count
+    ``generate`` read before the prefill bounds the first launch); for autoregressive sampling, one before the
+    loop (the step count) and one after it (the non-finite flag), none per token."""
     from sigmafast import sampler
     from sigmafast.request import prepare
 
@@ -302,6 +303,7 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
     canvas, known_now = req.canvas.clone(), req.known.clone()
     runner = sigmafast.Engine(model, buckets=buckets)
     session = runner.start(canvas, known_now)
+    max_left = int((~known_now).sum(1).max())
     reads = []
     for name in SYNCS:
         original = getattr(torch.Tensor, name)
@@ -311,11 +313,13 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    run = sampler._autoregressive if strategy == "autoregressive" else sampler._burst
     with torch.no_grad():
-        accepted, _, _ = run(runner, session, req, canvas, known_now, None)
+        if strategy == "autoregressive":
+            accepted, _, _ = sampler._autoregressive(runner, session, req, canvas, known_now, None)
+        else:
+            accepted, _, _ = sampler._burst(runner, session, req, canvas, known_now, None, max_left=max_left)
     monkeypatch.undo()
-    expected = 2 if strategy == "autoregressive" else len(accepted) + 1
+    expected = 2 if strategy == "autoregressive" else len(accepted) + (0 if buckets else 1)
     assert len(reads) == expected, reads
     assert known_now.all()
 
