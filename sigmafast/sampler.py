@@ -216,7 +216,8 @@ def _burst_pipelined(runner, session, req, canvas, known, max_left: int):
     iteration i completes every row, iteration i + 1 (complete rows: it commits
     nothing) is dropped and its draws are given back to the generator, so the
     tokens, the statistics and the generator's state are those of
-    the synchronous loop. ``max_left`` is the largest count of unknown positions
+    the synchronous loop (also when iteration i's outputs are not finite and the
+    loop raises). ``max_left`` is the largest count of unknown positions
     of a row, read before the prefill: the first launch needs no read.
     """
     B, T = canvas.shape
@@ -237,14 +238,14 @@ def _burst_pipelined(runner, session, req, canvas, known, max_left: int):
             break
         status, n_commit, n, _ = in_flight.popleft()
         max_left, _, bad = status.tolist()  # waits for this iteration only; the next one is queued
+        if (bad or max_left == 0) and in_flight:  # launched after the last needed one (or an error): dropped
+            gen.set_state(in_flight[0][3])
         if bad:
             raise nonfinite_error("logits or hidden states")
         calls += 2
         accepted.append(n_commit[:B])
         lengths.append(n[:B])
         if max_left == 0:
-            if in_flight:  # launched after the last needed one: complete rows, nothing committed
-                gen.set_state(in_flight[0][3])
             break
         bound = max_left - len(in_flight)
     _write_back(canvas, known, None, session)

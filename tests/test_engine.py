@@ -185,6 +185,25 @@ def test_bucketed_burst_queues_the_next_iteration_before_reading_a_status(hook, 
         assert all(queued_next[:-1]), events
 
 
+@pytest.mark.parametrize("acceptance,num_orders", [("paper", 3), ("lossless", 1)], ids=["paper-O3", "lossless"])
+@pytest.mark.parametrize("lookahead", [True, False], ids=["pipelined", "lookahead-off"])
+def test_non_finite_outputs_leave_the_generator_as_the_naive_reference(acceptance, num_orders, lookahead):
+    """A non-finite model raises at the first status read, with the draws of the queued next iteration given
+    back: the generator stands where the naive reference's does (the draws of one iteration)."""
+    broken = tiny_model(VOCAB, T, seed=2, std=0.5)
+    with torch.no_grad():
+        broken.h[0].mlp.c_fc.weight.fill_(float("nan"))
+    after = []
+    for fn, target in ((sigmafast.generate, sigmafast.Engine(broken, buckets=True, lookahead=lookahead)),
+                       (naive.generate, broken)):
+        g = torch.Generator().manual_seed(0)
+        with pytest.raises(ValueError, match="model gave non-finite"):
+            fn(target, torch.zeros(2, 0, dtype=torch.long), T, acceptance=acceptance, num_orders=num_orders,
+               generator=g)
+        after.append(torch.rand(4, generator=g))
+    assert torch.equal(after[0], after[1])
+
+
 def test_bucketed_prefill_pads_the_known_count_to_a_bucket():
     """The prompt's prefill runs over the bucket of the largest known count (one static shape per bucket, so a
     CUDA graph replays it), commits only each row's known tokens, and leaves the tokens the naive reference's."""
