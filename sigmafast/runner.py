@@ -65,10 +65,6 @@ class EagerRunner:
     def __init__(self, conds) -> None:
         self.conds = conds
 
-    @property
-    def compacts(self) -> bool:
-        return not self.buckets
-
     def start(self, canvas: torch.Tensor, known: torch.Tensor):
         return self.conds.prefill(canvas, known)
 
@@ -133,7 +129,7 @@ class Engine(EagerRunner):
     default) queues each burst iteration before reading the previous one's
     status, with an R bucket bounded one iteration late: the GPU never waits for
     the host, at the cost of an occasional larger bucket and one surplus
-    iteration per call (see ``sampler._burst_pipelined``); False reads every
+    iteration per call (see ``sampler._burst_static``); False reads every
     status before the next launch. Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.

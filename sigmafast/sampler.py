@@ -18,8 +18,8 @@ The steps themselves are :mod:`sigmafast.steps` (static shapes, no host
 read); :mod:`sigmafast.runner` runs them eagerly or as CUDA graphs. The
 burst loops read one status per iteration on the host (the largest remaining
 count, which ends the loop and picks the R bucket, with the step's non-finite
-flag). With static shapes (an :class:`~sigmafast.runner.Engine` with buckets)
-the read lags one iteration behind the launches: iteration i + 1 is queued,
+flag). With static shapes (an :class:`~sigmafast.runner.Engine` with buckets
+and ``lookahead``) the read lags one iteration behind the launches: iteration i + 1 is queued,
 its R bucket bounded from iteration i - 1's status, before iteration i's status
 is read, so the device never waits for the host between iterations. The
 autoregressive loop reads two values in all (the number of steps, and after
@@ -204,29 +204,32 @@ def _rng(generator: Optional[torch.Generator]) -> torch.Generator:
     return generator if generator is not None else torch.default_generator  # draw's default: the CPU RNG
 
 
-def _burst_pipelined(runner, session, req, canvas, known, max_left: int):
-    """The static-shape burst loop, one iteration ahead of the host read.
+def _burst_static(runner, session, req, canvas, known, on_iteration, max_left: int):
+    """The static-shape burst loop (bucketed runners), up to one iteration ahead of the host read.
 
     Every unfinished row commits at least one token per iteration (the paper rule
     force-accepts step 0; lossless draws a residual at the first rejection), so
     after iteration i - 1 left at most ``m`` positions in any row, iteration
-    i + 1 has at most ``m - 1`` (with i in flight): its R bucket is chosen from
-    that bound and it is launched before iteration i's status is read. R larger
-    than needed only pads (the masks cover it: the tokens are the same). When
-    iteration i completes every row, iteration i + 1 (complete rows: it commits
-    nothing) is dropped and its draws are given back to the generator, so the
-    tokens, the statistics and the generator's state are those of
-    the synchronous loop (also when iteration i's outputs are not finite and the
-    loop raises). ``max_left`` is the largest count of unknown positions
-    of a row, read before the prefill: the first launch needs no read.
+    i + 1 has at most ``m - 1`` (with i in flight). With ``runner.lookahead`` and
+    no ``on_iteration`` (which sees each iteration's canvas), iteration i + 1 is
+    launched, its R bucket chosen from that bound, before iteration i's status
+    is read; R larger than needed only pads (the masks cover it: the tokens are
+    the same). Otherwise each status is read before the next launch. When
+    iteration i completes every row (or its outputs are not finite and the loop
+    raises), a queued iteration i + 1 (complete rows: it commits nothing) is
+    dropped and its draws are given back to the generator, so the tokens, the
+    statistics and the generator's state never depend on the lookahead.
+    ``max_left``, the largest count of unknown positions of a row, read before
+    the prefill, bounds the first launch.
     """
     B, T = canvas.shape
     gen = _rng(req.generator)
+    depth = 2 if runner.lookahead and on_iteration is None else 1  # iterations queued ahead of a read
     bound = max_left
     accepted, lengths, calls = [], [], 0
     in_flight = collections.deque()  # (status, n_commit, n, generator state before the draws)
     while True:
-        while bound > 0 and len(in_flight) < 2:  # the iteration to read next, and the one after it
+        while bound > 0 and len(in_flight) < depth:
             state = gen.get_state()
             d = draw_burst(req.generator, B, req.num_orders, T, canvas.device,
                            out=runner.draw_buffers(session, req.num_orders))
@@ -237,7 +240,7 @@ def _burst_pipelined(runner, session, req, canvas, known, max_left: int):
         if not in_flight:
             break
         status, n_commit, n, _ = in_flight.popleft()
-        max_left, _, bad = status.tolist()  # waits for this iteration only; the next one is queued
+        max_left, _, bad = status.tolist()  # waits for this iteration only; the next one may be queued
         if (bad or max_left == 0) and in_flight:  # launched after the last needed one (or an error): dropped
             gen.set_state(in_flight[0][3])
         if bad:
@@ -245,6 +248,9 @@ def _burst_pipelined(runner, session, req, canvas, known, max_left: int):
         calls += 2
         accepted.append(n_commit[:B])
         lengths.append(n[:B])
+        if on_iteration is not None:
+            _write_back(canvas, known, None, session)
+            on_iteration(canvas, known)
         if max_left == 0:
             break
         bound = max_left - len(in_flight)
@@ -259,14 +265,13 @@ def _padded(d: BurstDraws, size: int) -> BurstDraws:
 def _burst(runner, session, req, canvas, known, on_iteration, max_left: int):
     """Draft, verify, accept, commit until every row is complete.
 
-    Exact-shape runners drop finished rows once they are at least half of the
-    working batch (a row gather of the cache, at most log2(B) times); bucketed
-    ones keep the batch static and mask finished rows, and with ``lookahead``
-    and no ``on_iteration`` callback (which sees every iteration's canvas) they
-    run :func:`_burst_pipelined`.
+    Bucketed runners keep the batch static and mask finished rows
+    (:func:`_burst_static`); exact-shape ones drop finished rows once they are at
+    least half of the working batch (a row gather of the cache, at most log2(B)
+    times) and read each status before the next iteration.
     """
-    if runner.buckets and runner.lookahead and on_iteration is None:
-        return _burst_pipelined(runner, session, req, canvas, known, max_left)
+    if runner.buckets:
+        return _burst_static(runner, session, req, canvas, known, on_iteration, max_left)
     B, T = canvas.shape
     device = canvas.device
     live = None  # full-batch row of each working row; None while they are rows 0..B-1
@@ -280,17 +285,14 @@ def _burst(runner, session, req, canvas, known, on_iteration, max_left: int):
         if max_left == 0:
             break
         n_work = B if live is None else live.shape[0]
-        if runner.compacts and n_live <= n_work // 2:
+        if n_live <= n_work // 2:
             keep = ((~session.known).sum(1) == 0).to(torch.int8).argsort(stable=True)[:n_live]  # unfinished, in order
             _write_back(canvas, known, live, session)
             live = keep if live is None else live[keep]
             session.select(keep)
-        buffers = runner.draw_buffers(session, req.num_orders)  # static ones: drawn in place, padded already
-        d = draw_burst(req.generator, B, req.num_orders, T, device, out=buffers)
-        if buffers is None:
-            d = BurstDraws(*(_pad_rows(t, live, session.batch_size) for t in d))
-        R = runner.r_bucket(max_left, T)
-        n_commit, n, status = runner.burst(session, d, R, req.temperature, req.top_k, req.acceptance)
+        d = BurstDraws(*(_pad_rows(t, live, session.batch_size)
+                         for t in draw_burst(req.generator, B, req.num_orders, T, device)))
+        n_commit, n, status = runner.burst(session, d, max_left, req.temperature, req.top_k, req.acceptance)
         calls += 2
         accepted.append(_per_row(n_commit, live, B))
         lengths.append(_per_row(n, live, B))
