@@ -108,11 +108,12 @@ def key_value(key):
 
 
 @triton.jit
-def low_filled(prefix, BITS: tl.constexpr):
-    """uint32 keys resolved in their top BITS bits -> the fp32 values: the bits below are those of the dtype's
-    keys (0 for positive values, 1 for negative ones)."""
-    low = tl.where(prefix < 2147483648, (1 << (32 - BITS)) - 1, 0).to(tl.uint32)
-    return key_value((prefix | low).to(tl.int64))
+def low_filled(prefix, n_low):
+    """int64 keys in [0, 2^32) resolved above their ``n_low`` lowest bits -> the fp32 values: the bits below
+    are those of the input dtype's keys (0 for positive values, 1 for negative ones: the sign flip), so the
+    value is exact once every bit the dtype can set is resolved."""
+    ones = (tl.full(prefix.shape, 1, tl.int64) << n_low) - 1
+    return key_value(prefix | tl.where(prefix < 2147483648, ones, 0))
 
 
 @triton.jit
@@ -228,7 +229,7 @@ def _cand_select_kernel(
         o_s = tl.arange(0, CAP)[None, :]
         b_key = tl.load(CAND + o_n64[:, None] * CAP + o_s, mask=o_s < count[:, None], other=0)
         prefix = bisect_keys(b_key.to(tl.uint32, bitcast=True), top_k, 1, BITS)
-    tl.store(OUT + o_n64, low_filled(prefix, BITS), mask=m_n)
+    tl.store(OUT + o_n64, low_filled(prefix.to(tl.int64), 32 - BITS), mask=m_n)
 
 
 @triton.jit(do_not_specialize=["s_x", "N", "V", "shift"])
@@ -277,10 +278,7 @@ def _radix_select_kernel(PREFIX, KREM, HIST, OUT, N, shift, BLOCK_N: tl.constexp
     tl.store(PREFIX + o_n64, prefix, mask=m_n)
     tl.store(KREM + o_n64, krem - above, mask=m_n)
     tl.store(HIST + o_h, tl.zeros([BLOCK_N, BINS], tl.int32), mask=m_n[:, None])
-    # bits below ``shift`` are not resolved yet; in the input dtype's keys they are 0 for positive values
-    # and 1 for negative ones (the sign flip), so the value is exact after the dtype's last pass
-    low = tl.where(prefix < 2147483648, (tl.full([BLOCK_N], 1, tl.int64) << shift) - 1, 0)
-    tl.store(OUT + o_n64, key_value(prefix | low), mask=m_n)
+    tl.store(OUT + o_n64, low_filled(prefix, shift), mask=m_n)  # exact after the dtype's last pass
 
 
 def prefilter_config(V: int, dtype: torch.dtype, top_k: int, block_v: Optional[int] = None,
