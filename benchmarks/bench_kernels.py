@@ -13,7 +13,8 @@ copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=
 * top-k threshold: the k-th largest of 8 or 1280 rows (radix select against ``torch.topk``).
 * acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary; the bytes counted are
   one read of each logit tensor (q, and p for the residual), the least any implementation must move;
-  acceptance_from_hidden: the same from (B, O, R, 768) hidden states and the LM head.
+  acceptance_from_hidden: the same from (B, O, R, 768) hidden states and the LM head. ``triton-tiles`` runs
+  the same Triton kernels with one program per vocabulary tile instead of the persistent streaming programs.
 
 Each case is timed twice: eagerly (``ms``: Python's launch cost included, which dominates the small
 attention cases) and replayed as a CUDA graph (``graph_ms``: the device time, as in the engine's captured
@@ -158,10 +159,23 @@ def _logits(N: int, seed: int) -> torch.Tensor:
     return (torch.randn(N, VOCAB, device="cuda", generator=g) * 3).to(DTYPE)
 
 
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+def _stream_layout(impl: str, monkeypatch) -> str:
+    """``triton-tiles``: the Triton kernels with one program per vocabulary tile instead of the persistent
+    streaming programs (``vocab.PERSISTENT``), to compare the two layouts on the same card."""
+    if impl == "triton-tiles":
+        from sigmafast.kernels import vocab
+
+        monkeypatch.setattr(vocab, "PERSISTENT", False)
+        return "triton"
+    return impl
+
+
+@pytest.mark.parametrize("impl", ["triton", "triton-tiles", "reference"])
 @pytest.mark.parametrize("top_k", [None, 50], ids=lambda k: f"topk{k}")
-def test_acceptance(benchmark, impl, top_k, copy_gbps):
+def test_acceptance(benchmark, impl, top_k, copy_gbps, monkeypatch):
     from sigmafast.kernels.accept import acceptance
+
+    layout, impl = impl, _stream_layout(impl, monkeypatch)
 
     B, O, R = 4, 5, 64
     logits = _logits(B * O * R, 2).view(B, O, R, VOCAB)
@@ -175,7 +189,7 @@ def test_acceptance(benchmark, impl, top_k, copy_gbps):
     want = ref.log_probs(logits.float(), 1.0, top_k).gather(-1, drafts[..., None]).squeeze(-1)
     err = (fn(*args).logq.float() - want).abs().max().item()
     assert err < 5e-2, f"{impl} log q is off before timing: {err:.2e}"
-    _run(benchmark, lambda: fn(*args), logits.numel() * logits.element_size(), copy_gbps, impl=impl,
+    _run(benchmark, lambda: fn(*args), logits.numel() * logits.element_size(), copy_gbps, impl=layout,
          op="acceptance", rows=B * O * R, V=VOCAB, top_k=top_k, logq_abs_err=err)
 
 
@@ -193,10 +207,12 @@ def test_topk_threshold(benchmark, impl, rows, copy_gbps):
          rows=rows, V=VOCAB, top_k=50)
 
 
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "triton-tiles", "reference"])
 @pytest.mark.parametrize("op", ["sample", "residual_sample"])
-def test_sampling(benchmark, impl, op, copy_gbps):
+def test_sampling(benchmark, impl, op, copy_gbps, monkeypatch):
     from sigmafast.kernels import sampling
+
+    layout, impl = impl, _stream_layout(impl, monkeypatch)
 
     N = 1024
     q = _logits(N, 4)
@@ -217,7 +233,7 @@ def test_sampling(benchmark, impl, op, copy_gbps):
         want = ref.residual_sample(q.float(), p.float(), u, 1.0, None)
     agree = (tokens == want).float().mean().item()
     assert agree > 0.95, f"{impl} {op} agrees with the fp32 reference on only {agree:.1%} of rows"
-    _run(benchmark, lambda: fn(*args), passes * q.numel() * q.element_size(), copy_gbps, impl=impl, op=op,
+    _run(benchmark, lambda: fn(*args), passes * q.numel() * q.element_size(), copy_gbps, impl=layout, op=op,
          rows=N, V=VOCAB, dtype=str(q.dtype), agreement_with_fp32_reference=agree, passes_over_logits=passes)
 
 

@@ -53,14 +53,14 @@ from .topk import threshold
 from .checks import check_residual, check_sampling
 from .utils import exp_ftz, row_stride
 from .vocab import (
-    _residual_mass_kernel, aligned_rows, chunk_stats, residual_lse, residual_probs, row_masses, row_window,
+    aligned_rows, chunk_stats, residual_masses, residual_probs, row_masses, row_window,
     split_config, window_load, window_masks,
 )
 
 
 @triton.jit
 def _sample_rows(
-    QL, PL, U, KQ, KP, MQ, SQ, MP, SP, RM, QM, TOK, LOGP, s_x, N, V, NC, temperature,
+    QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, LOGP, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     RESIDUAL: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
@@ -83,7 +83,8 @@ def _sample_rows(
     lse_p = lse_q
     empty = m_n
     if RESIDUAL:
-        lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
+        lse_q = tl.load(LSE + 2 * o_n64, mask=m_n, other=0.0)  # the mass kernel's, so q and p are its own
+        lse_p = tl.load(LSE + 2 * o_n64 + 1, mask=m_n, other=0.0)
         m_c = m_n[:, None] & (o_c < NC)
         b_r = tl.load(RM + o_n64[:, None] * NC + o_c, mask=m_c, other=0.0)  # (BLOCK_N, NC_PAD)
         empty = tl.sum(b_r, 1) <= 0.0
@@ -123,17 +124,17 @@ def _sample_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    _sample_rows(QL, QL, U, KQ, KQ, MQ, SQ, MQ, SQ, MQ, MQ, TOK, LOGP, s_x, N, V, NC, temperature,
+    _sample_rows(QL, QL, U, KQ, KQ, MQ, SQ, MQ, MQ, MQ, TOK, LOGP, s_x, N, V, NC, temperature,
                  BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, False, STRIDE_UNIT, ALIGN)
 
 
 @triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
 def _residual_kernel(
-    QL, PL, U, KQ, KP, MQ, SQ, MP, SP, RM, QM, TOK, s_x, N, V, NC, temperature,
+    QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    _sample_rows(QL, PL, U, KQ, KP, MQ, SQ, MP, SP, RM, QM, TOK, TOK, s_x, N, V, NC, temperature,
+    _sample_rows(QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, TOK, s_x, N, V, NC, temperature,
                  BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, True, STRIDE_UNIT, ALIGN)
 
 
@@ -164,14 +165,10 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
                 STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps)
     if residual:
         mp, sp = chunk_stats(p_logits, kp, temperature, cfg, s_x)
-        rm, qm = torch.empty_like(mq), torch.empty_like(mq)
+        rm, qm, lse = residual_masses(q_logits, p_logits, kq, kp, mq, sq, mp, sp, temperature, cfg, s_x)
         kq_, kp_ = (kq, kp) if kq is not None else (u, u)
-        _residual_mass_kernel[(grid[0], cfg.nc)](
-            q_logits, p_logits, kq_, kp_, mq, sq, mp, sp, rm, qm, s_x, N, V, cfg.nc, float(temperature),
-            **{**meta, "num_warps": cfg.stream_warps},
-        )
         _residual_kernel[grid](
-            q_logits, p_logits, u, kq_, kp_, mq, sq, mp, sp, rm, qm, tokens, s_x, N, V, cfg.nc,
+            q_logits, p_logits, u, kq_, kp_, mq, sq, rm, qm, lse, tokens, s_x, N, V, cfg.nc,
             float(temperature), **meta,
         )
     else:

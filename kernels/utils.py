@@ -61,6 +61,41 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+REGISTERS_PER_SM = 65536  # every NVIDIA GPU from sm_50 to sm_120
+
+
+def occupancy(n_regs: int, shared: int, num_warps: int, max_threads: int, shared_per_sm: int) -> int:
+    """Programs of ``num_warps`` warps, ``n_regs`` registers per thread and ``shared`` bytes of shared memory
+    that one SM of ``max_threads`` threads and ``shared_per_sm`` bytes holds at once (registers are allocated
+    per warp in units of 256), at most 32."""
+    warp_regs = -(-n_regs * 32 // 256) * 256
+    by_regs = REGISTERS_PER_SM // warp_regs // num_warps if n_regs else 32
+    by_shared = shared_per_sm // shared if shared else 32
+    return max(1, min(by_regs, max_threads // (32 * num_warps), by_shared, 32))
+
+
+_RESIDENT: dict = {}  # (kernel, device index, tensor dtypes, meta) -> programs per SM; like Triton's kernel cache
+
+
+def resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> int:
+    """Programs of ``kernel`` (a ``triton.jit`` function launched with ``args`` and ``meta``) that one SM holds
+    at once, from the compiled kernel's registers, shared memory and warps, as Triton's fused-softmax tutorial
+    computes it; 4 in the CPU interpreter. For persistent kernels, whose grid must fit the GPU in one wave.
+    Cached per kernel, device, tensor dtypes and meta-parameters: the launchers that call it pass 16-byte
+    aligned tensors and keep every size out of Triton's specialisation, so those pick the variant."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (kernel, index, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(sorted(meta.items())))
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **meta)  # compiles (or finds) the launch's variant, no launch
+        compiled._init_handles()  # loads the binary and sets n_regs, as the tutorial does
+        props = torch.cuda.get_device_properties(index)
+        _RESIDENT[key] = occupancy(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps,
+                                   props.max_threads_per_multi_processor, props.shared_memory_per_multiprocessor)
+    return _RESIDENT[key]
+
+
 def min_split_keys(device: torch.device) -> int:
     """Fewest cache keys per automatic KV split. On CUDA 512: a GPT-2 decode step (B = 1, cache 768) with
     13 one-tile splits spent 8 µs per layer in the combine against 6 µs in the attention itself (H200

@@ -4,12 +4,22 @@ Why split-V. A row of GPT-2 logits is 50257 values (100 KB in bf16). One program
 per row (the previous design) gives N programs that each walk a long serial
 loop: with few rows the GPU is mostly idle, and even with 1024 rows each SM has
 few loads in flight. Here the vocabulary is cut into chunks of ``BLOCK_V``
-columns and a (row blocks, chunks) grid streams every (BLOCK_N, BLOCK_V) tile
-exactly once, with no loop: thousands of independent programs, each issuing
-one wide, fully coalesced load (8192 elements, 16-byte vectors), which is what
-a memory-bound kernel needs to run at copy bandwidth. Each program writes a
-few fp32/int32 per (row, chunk) (``NC = cdiv(V, BLOCK_V)`` chunks per row,
-25 for GPT-2): a few hundred bytes per row against the 100 KB read.
+columns and every (BLOCK_N, BLOCK_V) tile of the (row blocks x chunks) stream
+is read exactly once, by one wide, fully coalesced load (8192 elements, 16-byte
+vectors). Each tile writes a few fp32/int32 per (row, chunk) (``NC =
+cdiv(V, BLOCK_V)`` chunks per row, 25 for GPT-2): a few hundred bytes per row
+against the 100 KB read.
+
+Persistent streaming (``stream_grid``). One program per tile (``PERSISTENT``
+False) loads its tile, waits, reduces it and exits, so an SM's loads drain at
+every tile and the H200 measured these kernels at a third to a half of copy
+bandwidth. Instead one wave of programs, as many as the SMs hold
+(``utils.resident_programs``), strides over the tiles, and each issues the
+loads of its next tile before it reduces the current one (a register
+prefetch: ``stream_load`` returns the raw tile, ``stream_values`` converts and
+masks it), so every SM keeps about a tile per program in flight. The values,
+and so the partials, are bit-identical to one program per tile
+(tests/test_kernels_vocab.py).
 
 * :func:`chunk_stats` (``_chunk_stats_kernel``): per (row, chunk) the max of the
   processed logits (temperature, top-k threshold) and the sum of ``exp(x - max)``.
@@ -18,7 +28,9 @@ few fp32/int32 per (row, chunk) (``NC = cdiv(V, BLOCK_V)`` chunks per row,
   (``s_c * exp(m_c - row max)``), exactly like an online log-sum-exp.
 * ``_residual_mass_kernel``: the second split-V pass of the residual sampler,
   per (row, chunk) the masses of ``max(0, q - p)`` and of q (normalised by the
-  row log-sum-exps, recombined in every program from the (N, NC) partials).
+  row log-sum-exps, recombined in every program from the (N, NC) partials,
+  and written once per row for the sampling kernel, which so sees the same q
+  and p).
 
 Only a row's first and last chunks need column masks (its aligned window starts
 up to ALIGN - 1 columns early and ends past V): every other chunk
@@ -41,11 +53,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import exp_ftz, rows_ready
+from .utils import exp_ftz, num_sms, resident_programs, rows_ready
 
 CHUNK = 2048  # default BLOCK_V: 4 KB (bf16) to 8 KB (fp32) per row per program
 TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) tile of partials
 MAX_ROWS = 256
+PERSISTENT = True  # streaming kernels: one wave of looping programs (False: one program per tile)
 
 
 class SplitConfig(tuple):
@@ -154,30 +167,71 @@ def aligned_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
     return t
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["KTH"])
+@triton.jit
+def stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr):
+    """Tile t of a (row blocks x chunks) stream, row blocks fastest: (BLOCK_N,) int64 rows, their mask (all
+    False past the last tile), the chunk c, (1, BLOCK_V) window offsets, the rows' ``row_window`` and
+    ``is_interior(c)``."""
+    c = t // n_rb
+    o_n = (t - c * n_rb) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_n64 = o_n.to(tl.int64)
+    o_base, shift, end = row_window(o_n64, s_x, V, ALIGN)
+    o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    m_n = o_n < tl.where(c < NC, N, 0)
+    return o_n64, m_n, c, o_b, o_base, shift, end, is_interior(c, V, BLOCK_V, ALIGN)
+
+
+@triton.jit
+def stream_load(ptr, t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) raw logits of ``stream_tile`` t of the rows at ``ptr``, unconverted. Lanes of masked
+    rows, and of an edge chunk outside the rows' windows, are undefined: ``stream_values`` masks the
+    columns and the kernels store masked rows' results nowhere."""
+    _, m_n, _, o_b, o_base, _, end, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+    if interior:
+        b_raw = tl.load(ptr + o_base[:, None] + o_b, mask=tl.broadcast_to(m_n[:, None], [BLOCK_N, BLOCK_V]))
+    else:
+        b_raw = tl.load(ptr + o_base[:, None] + o_b, mask=m_n[:, None] & (o_b < end[:, None]))
+    return b_raw
+
+
+@triton.jit
+def stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK: tl.constexpr):
+    """``stream_load``'s raw tile -> processed fp32 logits, -inf outside the rows: on the rows' lanes the same
+    values as ``chunk_load`` (the same conversion, masks and ``processed``)."""
+    b_x = b_raw.to(tl.float32)
+    if not interior:
+        o_v = o_b - shift[:, None]
+        b_x = tl.where((o_v >= 0) & (o_v < V), b_x, float("-inf"))
+    return processed(b_x, kth, temperature, HAS_TOPK)
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "NC", "n_rb", "n_tiles"], do_not_specialize_on_alignment=["KTH"])
 def _chunk_stats_kernel(
-    X, KTH, M, S, s_x, N, V, NC, temperature,
+    X, KTH, M, S, s_x, N, V, NC, n_rb, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """(N, NC) chunk max M and sum of exp(x - M) S of the processed logits."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n64 = o_n.to(tl.int64)
-    c = tl.program_id(1)
-    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (BLOCK_N,) each; STRIDE_UNIT: utils
-    o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    kth = tl.zeros([BLOCK_N, 1], tl.float32)
-    if HAS_TOPK:
-        kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
-    b_x = chunk_load(X + o_base[:, None], o_b, shift, end, m_n, V, is_interior(c, V, BLOCK_V, ALIGN), kth,
-                     temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
-    b_m = tl.max(b_x, 1)  # (BLOCK_N,)
-    m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_s = tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
-    o_p = o_n64 * NC + c
-    tl.store(M + o_p, b_m, mask=m_n)
-    tl.store(S + o_p, b_s, mask=m_n)
+    """(N, NC) chunk max M and sum of exp(x - M) S of the processed logits. Each program strides over the
+    (row block, chunk) tiles and loads tile i + 1 before it reduces tile i (see ``stream_grid``)."""
+    s_x = s_x * STRIDE_UNIT  # see utils for STRIDE_UNIT
+    t = tl.program_id(0)
+    step = tl.num_programs(0)
+    b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+    for _ in range(t, n_tiles, step):
+        b_next = stream_load(X, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+        kth = tl.zeros([BLOCK_N, 1], tl.float32)
+        if HAS_TOPK:
+            kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+        b_x = stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
+        b_m = tl.max(b_x, 1)  # (BLOCK_N,)
+        m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
+        b_s = tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
+        o_p = o_n64 * NC + c
+        tl.store(M + o_p, b_m, mask=m_n)
+        tl.store(S + o_p, b_s, mask=m_n)
+        b_raw = b_next
+        t += step
 
 
 @triton.jit
@@ -197,37 +251,46 @@ def row_masses(M, S, o_n64, m_n, NC, NC_PAD: tl.constexpr):
     return r_m, b_w, r_t
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["KQ", "KP"])
+@triton.jit(do_not_specialize=["s_x", "N", "NC", "n_rb", "n_tiles"], do_not_specialize_on_alignment=["KQ", "KP"])
 def _residual_mass_kernel(
-    QL, PL, KQ, KP, MQ, SQ, MP, SP, RM, QM, s_x, N, V, NC, temperature,
+    QL, PL, KQ, KP, MQ, SQ, MP, SP, RM, QM, LSE, s_x, N, V, NC, n_rb, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """(N, NC) chunk masses of max(0, q - p) (RM) and of q (QM), q and p the processed softmaxes
-    (q and p rows share the row stride s_x)."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n64 = o_n.to(tl.int64)
-    c = tl.program_id(1)
-    lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
-    kq = tl.zeros([BLOCK_N, 1], tl.float32)
-    kp = tl.zeros([BLOCK_N, 1], tl.float32)
-    if HAS_TOPK:
-        kq = tl.load(KQ + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
-        kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
-    o_base, shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
-    o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
-    b_q, b_p = residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, is_interior(c, V, BLOCK_V, ALIGN), kq, kp,
-                              lse_q, lse_p, temperature, HAS_TOPK)
-    o_p = o_n64 * NC + c
-    tl.store(RM + o_p, tl.sum(tl.maximum(b_q - b_p, 0.0), 1), mask=m_n)
-    tl.store(QM + o_p, tl.sum(b_q, 1), mask=m_n)
+    """(N, NC) chunk masses of max(0, q - p) (RM) and of q (QM), q and p the processed softmaxes (q and p
+    rows share the row stride s_x), and the (N, 2) log-sum-exps of q and p (LSE) that normalised them, for the
+    sampling kernel. Streams the tiles as ``_chunk_stats_kernel`` does, q's and p's together."""
+    s_x = s_x * STRIDE_UNIT
+    t = tl.program_id(0)
+    step = tl.num_programs(0)
+    b_rq = stream_load(QL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+    b_rp = stream_load(PL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+    for _ in range(t, n_tiles, step):
+        b_nq = stream_load(QL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+        b_np = stream_load(PL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+        lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
+        kq = tl.zeros([BLOCK_N, 1], tl.float32)
+        kp = tl.zeros([BLOCK_N, 1], tl.float32)
+        if HAS_TOPK:
+            kq = tl.load(KQ + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+            kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+        b_q = exp_ftz(stream_values(b_rq, o_b, shift, V, interior, kq, temperature, HAS_TOPK) - lse_q[:, None])
+        b_p = exp_ftz(stream_values(b_rp, o_b, shift, V, interior, kp, temperature, HAS_TOPK) - lse_p[:, None])
+        o_p = o_n64 * NC + c
+        tl.store(RM + o_p, tl.sum(tl.maximum(b_q - b_p, 0.0), 1), mask=m_n)
+        tl.store(QM + o_p, tl.sum(b_q, 1), mask=m_n)
+        m_first = o_n64 < tl.where(c == 0, N, 0)  # each row's log-sum-exps once, from its chunk 0
+        tl.store(LSE + 2 * o_n64, lse_q, mask=m_first)
+        tl.store(LSE + 2 * o_n64 + 1, lse_p, mask=m_first)
+        b_rq = b_nq
+        b_rp = b_np
+        t += step
 
 
 @triton.jit
 def residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD: tl.constexpr):
-    """(BLOCK_N,) log-sum-exps of the processed q and p rows from their chunk partials. The mass and
-    the sampling kernels both call this on the same tiles, so they see bit-identical q and p."""
+    """(BLOCK_N,) log-sum-exps of the processed q and p rows from their chunk partials."""
     q_m, _, q_t = row_masses(MQ, SQ, o_n64, m_n, NC, NC_PAD)
     p_m, _, p_t = row_masses(MP, SP, o_n64, m_n, NC, NC_PAD)
     return q_m + tl.log(q_t), p_m + tl.log(p_t)
@@ -236,8 +299,8 @@ def residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD: tl.constexpr):
 @triton.jit
 def residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, interior, kq, kp, lse_q, lse_p, temperature,
                    HAS_TOPK: tl.constexpr):
-    """(BLOCK_N, BLOCK_V) processed probabilities q and p at window offsets o_b (0 where masked); the mass
-    and the sampling kernels both compute them here, so they see bit-identical q and p."""
+    """(BLOCK_N, BLOCK_V) processed probabilities q and p at window offsets o_b (0 where masked): given the mass
+    kernel's log-sum-exps, bit-identical on the rows' lanes to its q and p (``stream_values``, same ops)."""
     b_q = exp_ftz(chunk_load(QL + o_base[:, None], o_b, shift, end, m_n, V, interior, kq, temperature, HAS_TOPK)
                   - lse_q[:, None])
     b_p = exp_ftz(chunk_load(PL + o_base[:, None], o_b, shift, end, m_n, V, interior, kp, temperature, HAS_TOPK)
@@ -245,14 +308,43 @@ def residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, interior, kq, kp, ls
     return b_q, b_p
 
 
+def stream_grid(kernel, n_tiles: int, args: tuple, meta: dict, device: torch.device) -> tuple:
+    """Grid of a streaming kernel over n_tiles tiles: one wave of as many programs as the SMs hold
+    (``utils.resident_programs``), each looping over its share of the tiles, or one program per tile when
+    ``PERSISTENT`` is False. A persistent program that finishes a tile has its next tile's loads in flight, so
+    the SMs keep loads queued between tiles instead of draining and relaunching."""
+    if not PERSISTENT:
+        return (max(1, n_tiles),)
+    return (max(1, min(n_tiles, resident_programs(kernel, args, meta, device) * num_sms(device))),)
+
+
 def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int):
     """Launch ``_chunk_stats_kernel`` on (N, V) rows (N > 0): (N, NC) float32 chunk max and sum of exp."""
     N, V = logits.shape
     m = torch.empty(N, cfg.nc, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
-    _chunk_stats_kernel[(triton.cdiv(N, cfg.block_n), cfg.nc)](
-        logits, kth if kth is not None else m, m, s, stride_units, N, V, cfg.nc, float(temperature),
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
-        ALIGN=cfg.align, num_warps=cfg.stream_warps,
-    )
+    n_rb = triton.cdiv(N, cfg.block_n)
+    args = (logits, kth if kth is not None else m, m, s, stride_units, N, V, cfg.nc, n_rb, n_rb * cfg.nc,
+            float(temperature))
+    meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
+                ALIGN=cfg.align, num_warps=cfg.stream_warps)
+    _chunk_stats_kernel[stream_grid(_chunk_stats_kernel, n_rb * cfg.nc, args, meta, logits.device)](*args, **meta)
     return m, s
+
+
+def residual_masses(q_logits, p_logits, kq, kp, mq, sq, mp, sp, temperature, cfg: SplitConfig, stride_units: int):
+    """Launch ``_residual_mass_kernel`` on (N, V) q and p rows (N > 0, one row stride) with their chunk_stats
+    partials: (N, NC) float32 chunk masses of max(0, q - p) and of q, and (N, 2) log-sum-exps of q and p.
+    Half the rows of ``cfg`` per tile: two tiles and their prefetched successors must fit in registers."""
+    N, V = q_logits.shape
+    rm, qm = torch.empty_like(mq), torch.empty_like(mq)
+    lse = torch.empty(N, 2, dtype=torch.float32, device=mq.device)
+    block_n = max(1, cfg.block_n // 2)
+    n_rb = triton.cdiv(N, block_n)
+    args = (q_logits, p_logits, kq if kq is not None else mq, kp if kp is not None else mq, mq, sq, mp, sp, rm, qm,
+            lse, stride_units, N, V, cfg.nc, n_rb, n_rb * cfg.nc, float(temperature))
+    meta = dict(BLOCK_N=block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
+                STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.stream_warps)
+    grid = stream_grid(_residual_mass_kernel, n_rb * cfg.nc, args, meta, q_logits.device)
+    _residual_mass_kernel[grid](*args, **meta)
+    return rm, qm, lse

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
@@ -194,3 +195,47 @@ def test_low_precision_odd_strides(dtype, poisoned_empty):
             _assert_same_tokens(tok_r, ref.residual_sample(xf, p.float(), u, T, k),
                                 torch.where(r.sum(-1, keepdim=True) <= 0, qp, r), u)
         assert torch.equal(draft_logq(x, drafts, 0.0, None, 16), xf.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("T, k", [(1.0, None), (0.7, 5)], ids=["T1", "T0.7-topk5"])
+def test_persistent_stream_matches_one_program_per_tile(dtype, T, k, monkeypatch, poisoned_empty):
+    """The streaming kernels' persistent programs (each looping over its tiles, the next one's loads issued
+    before the current one is reduced) write bit-identically what one program per tile writes: every tile,
+    the ragged last row block and the edge chunks included, with more tiles than programs."""
+    from sigmafast.kernels import topk, vocab
+
+    g = torch.Generator().manual_seed(3)
+    N, V = 300, 1000  # 3 row blocks x 16 chunks of 64: 48 tiles for the interpreter's 16 programs
+    q = (torch.randn(N, V, generator=g) * 3).to(dtype)
+    p = (q.float() + torch.randn(N, V, generator=g)).to(dtype)
+    q[7, 500:] = float("-inf")  # a row whose later chunks hold nothing
+    cfg = vocab.split_config(V, dtype, 64)
+    kq, kp = (topk.threshold(x, k, 64) for x in (q, p))
+
+    def run(persistent: bool) -> list:
+        monkeypatch.setattr(vocab, "PERSISTENT", persistent)
+        s_x = q.stride(0) // cfg.unit
+        mq, sq = vocab.chunk_stats(q, kq, T, cfg, s_x)
+        mp, sp = vocab.chunk_stats(p, kp, T, cfg, s_x)
+        return [mq, sq, mp, sp, *vocab.residual_masses(q, p, kq, kp, mq, sq, mp, sp, T, cfg, s_x)]
+
+    n_tiles = triton.cdiv(N, cfg.block_n) * cfg.nc
+    assert vocab.stream_grid(None, n_tiles, (), {}, q.device)[0] < n_tiles, "every program must loop"
+    names = ["q chunk max", "q chunk sum", "p chunk max", "p chunk sum", "residual masses", "q masses", "lse"]
+    for name, got, want in zip(names, run(True), run(False)):
+        assert not got.isnan().any(), f"{name}: the persistent programs left elements unwritten"
+        assert torch.equal(got, want), f"{name} differs from one program per tile"
+
+
+@pytest.mark.parametrize("regs, shared, warps, want", [
+    (121, 64, 4, 4),  # the one-tile chunk statistics on sm_90
+    (168, 64, 4, 3),  # the persistent ones: 5376 registers per warp
+    (255, 0, 8, 1),  # 255 registers round up to 8192 per warp
+    (32, 0, 4, 16),  # bound by the 2048 threads
+    (64, 100_000, 4, 2),  # bound by shared memory
+])
+def test_occupancy_counts_registers_threads_and_shared_memory(regs, shared, warps, want):
+    from sigmafast.kernels.utils import occupancy
+
+    assert occupancy(regs, shared, warps, max_threads=2048, shared_per_sm=233_472) == want
