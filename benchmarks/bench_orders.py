@@ -30,7 +30,7 @@ import pytest
 from _common import bench_full, device_info
 from _models import ModelSpec
 from sigmafast.checkpoint import read_checkpoint
-from sigmafast.model import POS_ENCODINGS, PRESETS
+from sigmafast.model_config import POS_ENCODINGS, PRESETS
 
 TASKS = ("char", "permutation")
 BASELINE_ENCODINGS = ("sinusoidal", "rope", "rope-v")  # also trained left-to-right and with the curriculum

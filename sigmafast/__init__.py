@@ -1,9 +1,11 @@
 """sigmafast: train σ-GPT models and sample from them in any order and in bursts."""
 
 from . import diffusion
-from .model import PRESETS, SigmaGPT, SigmaGPTConfig
+from .model import SigmaGPT
+from .model_config import PRESETS, SigmaGPTConfig
 from .runner import Engine
-from .sampler import conditional_density, generate, log_likelihood, warmup
+from .density import conditional_density, log_likelihood
+from .sampler import generate, warmup
 
 __all__ = ["PRESETS", "Engine", "SigmaGPT", "SigmaGPTConfig", "conditional_density", "diffusion", "generate",
            "log_likelihood", "warmup"]

@@ -1,5 +1,5 @@
-"""σ-GPT sampling: any-order autoregressive and burst (rejection) sampling, infilling,
-conditional densities and log-likelihoods.
+"""σ-GPT sampling: any-order autoregressive and burst (rejection) sampling, and infilling (conditional
+densities and log-likelihoods are in :mod:`sigmafast.density`).
 
 One algorithm runs on any *conditionals* object: the neural model through its
 KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
@@ -62,23 +62,23 @@ from typing import Callable, Optional
 
 import torch
 
-from . import kernels
 from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, draw, draw_burst, eval_mode,
                       is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
 
-__all__ = ["generate", "warmup", "conditional_density", "log_likelihood", "SampleStats"]
+__all__ = ["generate", "warmup", "SampleStats"]
 
 
-def _model_of(model):
+def unwrap_model(model):
+    """The model an :class:`~sigmafast.runner.Engine` wraps, or ``model`` itself."""
     return model.model if isinstance(model, Engine) else model
 
 
 def as_conditionals(model):
     """A SigmaGPT wrapped in its cached adapter; an oracle is returned as is."""
-    model = _model_of(model)
+    model = unwrap_model(model)
     if is_sigma_gpt(model):
         return NeuralConditionals(model)
     if hasattr(model, "prefill"):
@@ -119,7 +119,7 @@ def generate(
     ``num_orders`` orders: fewer iterations, not exact). ``on_iteration(canvas,
     known)``, when given, is called after every iteration (it may sync).
     """
-    target = _model_of(model)
+    target = unwrap_model(model)
     req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
     check_callback(on_iteration)
@@ -348,62 +348,3 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
 def _pad_plan(plan: ARPlan, size: int) -> ARPlan:
     """The plan with zero rows up to ``size``: padding rows are never live."""
     return ARPlan(*(_pad_rows(t, None, size) for t in plan[:3]), plan.step, plan.nonfinite)
-
-
-def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) probabilities p(x_j | known) for every unknown j in one burst forward; one-hot
-    on known positions. Known tokens are fed in ascending position order."""
-    model = _model_of(model)
-    if not isinstance(known, torch.Tensor):
-        raise TypeError(f"known must be a (B, T) bool tensor, got {type(known).__name__}")
-    req = prepare(model, idx, known=known)
-    B, T = req.canvas.shape
-    conds = as_conditionals(model)
-    with torch.no_grad(), eval_mode(model):
-        session = conds.prefill(req.canvas, req.known)
-        positions = torch.arange(T, device=req.canvas.device).expand(B, T)
-        logits = session.draft(positions) if T > 0 else None  # (B, T, V)
-        if logits is not None and bool(kernels.reference.nonfinite(logits, ~req.known)):
-            raise nonfinite_error("logits")
-        p = torch.softmax(kernels.reference.upcast(logits), dim=-1) if logits is not None else None  # fp32 at least
-    V = conds.vocab_size
-    one_hot = torch.nn.functional.one_hot(req.canvas, V).to(p.dtype if p is not None else torch.float32)
-    return one_hot if p is None else torch.where(req.known[..., None], one_hot, p)
-
-
-def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
-    """(B,) exact log-probability of ``idx`` (B, T) visited in ``order`` (a (B, T) permutation tensor,
-    "left-to-right" or "fractal"): teacher forcing, one forward."""
-    from . import orders as orders_mod
-    from .request import check_order_tensor
-
-    model = _model_of(model)
-    full = torch.ones_like(idx, dtype=torch.bool) if isinstance(idx, torch.Tensor) else None
-    req = prepare(model, idx, known=full)
-    x = req.canvas
-    B, T = x.shape
-    if isinstance(order, str):
-        if order not in ("left-to-right", "fractal"):
-            raise ValueError(f"order must be 'left-to-right', 'fractal' or a (B, T) tensor, got {order!r}")
-        order = orders_mod.make_orders(order, B, T, device=x.device)
-    elif isinstance(order, torch.Tensor):
-        order = check_order_tensor(order.to(x.device), x.shape)
-    else:
-        raise TypeError(f"order must be a str or a (B, T) tensor, got {type(order).__name__}")
-    if T == 0:  # the empty sequence has probability 1
-        return torch.zeros(B, device=x.device)
-    with torch.no_grad(), eval_mode(model):
-        if is_sigma_gpt(model):
-            cfg = model.config
-            tokens, in_pos, out_pos, targets = orders_mod.shuffle(x, order, cfg.bos_token_id, cfg.start_pos)
-            logits, _ = model(tokens, in_pos, out_pos)
-        else:
-            session = model.prefill(x, torch.zeros_like(x, dtype=torch.bool))
-            targets = x.gather(1, order)
-            logits = session.verify(order[:, None], targets[:, None]).logits[:, 0]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if bool(kernels.reference.nonfinite(logits)):  # every row is used
-        raise nonfinite_error("logits")
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, targets[..., None]).squeeze(-1).sum(-1)

@@ -21,7 +21,7 @@ from typing import Optional
 from .diffusion.model import OBJECTIVES, DiffusionConfig
 from .diffusion.noise import NOISES
 from .loss import LOSS_WEIGHTINGS
-from .model import EMBEDDING_INITS, FINAL_NORMS, POS_ENCODINGS, PRESETS
+from .model_config import EMBEDDING_INITS, FINAL_NORMS, POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
 from .tasks import TASK_NAMES, task_arguments
 

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from sigmafast import orders
 from sigmafast.loss import linear_cross_entropy
-from sigmafast.model import PRESETS, SigmaGPT, SigmaGPTConfig
+from sigmafast.model import SigmaGPT
+from sigmafast.model_config import PRESETS, SigmaGPTConfig
 from sigmafast.positions import PE_SCALE, Rotary, rotary_tables, sinusoidal_table
 
 
