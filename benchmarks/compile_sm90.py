@@ -104,6 +104,7 @@ def _cases(dtype: torch.dtype):
     yield "draft argmax (greedy acceptance)", lambda: accept.draft_logq(x, d, 0.0)
     yield "top-k threshold (chunk-max prefilter)", lambda: topk.kth_largest(x, 50)
     yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)
+    yield "top-k log q from the candidates", lambda: accept.topk_logq(x, d, 0.8, 50)
     yield "fused LM head log q", lambda: accept.lm_head_logq(h, w, d, 1.0)
     yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
     for D in (64, 128):

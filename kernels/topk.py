@@ -59,6 +59,9 @@ sm_90 SASS instructions per element of an interior chunk; 1280 bf16 rows of
 GPT-2 took 491 µs on the H200). From Triton 3.8 it is a shared-memory atomic
 per element (19 instructions).
 
+``prefilter`` also returns the candidates and their counts: the top-k
+acceptance (``accept.topk_logq``) sums its log-sum-exp over them.
+
 The launchers call ``threshold``, which takes these kernels on CUDA (the
 prefilter is not yet timed on a GPU: benchmarks/bench_kernels.py
 ``test_topk_threshold``). All sizes, counts and k are run-time arguments
@@ -303,17 +306,26 @@ def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None,
     config = prefilter_config(V, logits.dtype, top_k, block_v, chunk, chunks_per_k)
     if config is None:
         return radix_kth_largest(logits, top_k, block_v)
+    return prefilter(logits, top_k, config, cap)[0]
+
+
+def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP) -> tuple:
+    """The chunk-max prefilter of (N, V) ``logits`` under ``prefilter_config``'s ``config``: (N,) float32 k-th
+    largest values, the (N, cap) int32 candidate keys (``order_key32``, in no order: every key >= t0 of the
+    row, so every logit >= its k-th largest, while the count is at most cap) and the (N,) int32 candidate
+    counts (past cap when they overflowed)."""
+    N, V = logits.shape
     cfg, chunk, nc = config
     out = torch.empty(N, dtype=torch.float32, device=logits.device)
+    count = torch.empty(N, dtype=torch.int32, device=logits.device)
+    cand = torch.empty(N, cap, dtype=torch.int32, device=logits.device)
     if N == 0:
-        return out
+        return out, cand, count
     logits = aligned_rows(logits, cfg.unit)
     s_x = row_stride(logits) // cfg.unit
     bits = KEY_BITS[logits.dtype]
     cmax = torch.empty(N, nc, dtype=torch.int32, device=logits.device)
     t0 = torch.empty(N, dtype=torch.int32, device=logits.device)
-    count = torch.empty(N, dtype=torch.int32, device=logits.device)
-    cand = torch.empty(N, cap, dtype=torch.int32, device=logits.device)
     _chunk_max_kernel[(N, cfg.nc)](logits, cmax, s_x, N, V, nc, BLOCK_V=cfg.block_v, CHUNK=chunk,
                                    STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=max(1, min(4, cfg.block_v // 1024)))
     nc_pad = triton.next_power_of_2(nc)
@@ -326,7 +338,7 @@ def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None,
     )
     _cand_select_kernel[(N,)](logits, cand, count, out, s_x, N, V, top_k, CAP=cap, SCAN_V=SCAN_V,
                               STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, BITS=bits, num_warps=4)
-    return out
+    return out, cand, count
 
 
 def radix_kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None) -> torch.Tensor:

@@ -168,3 +168,39 @@ def test_launchers_threshold_is_the_kth_largest(poisoned_empty):
     x = _rows("ties", 20, 300, torch.Generator().manual_seed(4)).to(torch.bfloat16)
     torch.testing.assert_close(threshold(x, 30, 64), ref.kth_largest(x, 30).float(), rtol=0, atol=0)
     assert threshold(x, None) is None and threshold(x, 300) is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", [c for c in PREFILTER_CASES if c[-1] == "prefilter" and c[0] not in ("nan", "huge")],
+                         ids=_pid)
+def test_topk_log_q_from_the_candidates_matches_the_reference(case, dtype, temperature, poisoned_empty):
+    """log q under top-k with the log-sum-exp taken over the prefilter's candidates (or over the whole row
+    when they overflow), against the reference's log-softmax of the processed row (finite logits only:
+    non-finite ones are flagged before any acceptance). Drafts include each row's argmax, columns below
+    the threshold (log q -inf) and ids outside the vocabulary."""
+    from sigmafast.kernels import accept
+
+    kind, N, V, k, block_v, chunk, cap, _ = case
+    g = torch.Generator().manual_seed(zlib.crc32(_pid(case).encode()) + 1)
+    x = _rows(kind, N, V, g).to(dtype)
+    drafts = torch.randint(0, V, (N,), generator=g)
+    drafts[0] = x[0].float().argmax()
+    if N > 2:
+        drafts[1], drafts[2] = -1, V  # outside the vocabulary
+    got = on_triton_device(accept.topk_logq)(x, drafts, temperature, k, block_v, chunk,
+                                             **({"cap": cap} if cap else {}), chunks_per_k=1)
+    want = ref.log_probs(x.float(), temperature, k).gather(-1, drafts.clamp(0, V - 1)[:, None]).squeeze(-1)
+    want = torch.where((drafts >= 0) & (drafts < V), want, float("-inf"))
+    assert got.dtype == torch.float32 and got.shape == (N,)
+    assert torch.equal(got.isfinite(), want.isfinite()), f"finite where the reference is not: {got} {want}"
+    torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-5)
+    assert torch.all(got[~want.isfinite()] == float("-inf"))
+
+
+def test_topk_log_q_needs_the_prefilter():
+    """Too few chunks per k: no candidates to sum over (draft_logq then takes the chunk statistics)."""
+    from sigmafast.kernels import accept
+
+    x = torch.randn(2, 300)
+    assert accept.topk_logq(x, torch.zeros(2, dtype=torch.long), 1.0, 200) is None
