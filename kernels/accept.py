@@ -53,8 +53,8 @@ FINISH_ROWS = 64  # rows per program of _logq_finish_kernel
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
-    """log q from hidden states is float32 at least (as the engine's float32 logits): bf16 would round
-    q/p by up to 1%."""
+    """log q is float32 at least, as the kernels compute it (and the reference, from 16-bit logits'
+    float32 values): bf16 would round q/p by up to 1%, and send the decisions to the reference's ops."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -210,7 +210,7 @@ def acceptance(
     logits: (B, O, R, V) verifier logits (q), float32/float16/bfloat16;
     drafts: (B, O, R) int64 in visiting order; draft_logp: (B, O, R) their log p
     under the draft; uniforms: (B, O, R); lengths: (B,) valid steps per row.
-    Returns :class:`Acceptance` (logq (B, O, R) in logits' dtype, accept,
+    Returns :class:`Acceptance` (logq (B, O, R), float32 for 16-bit logits, else in their dtype; accept,
     n_accept, best, first_reject), with the reference's semantics.
     """
     check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
@@ -222,7 +222,7 @@ def acceptance(
     res = torch.ops.sigmafast.draft_logq(
         logits.reshape(B * O * R, V), drafts.reshape(-1), float(temperature), None if greedy else top_k, block_v
     )
-    scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(logits.dtype)
+    scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(logits.dtype))
     return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
 
 

@@ -153,7 +153,9 @@ def acceptance(
     Token k is accepted when ``u_k < exp(logq_k - logp_k)``; greedy (temperature
     0) accepts when the draft is the verifier's argmax. A draft outside the
     vocabulary has log q = -inf: it is rejected. The "paper" rule always
-    accepts k = 0 (q = p there mathematically); "lossless" does not.
+    accepts k = 0 (q = p there mathematically); "lossless" does not. log q is
+    float32 for 16-bit logits (computed from their float32 values, as ``sample``
+    does), else in the logits' dtype.
     """
     if rule not in RULES:
         raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
@@ -161,7 +163,8 @@ def acceptance(
         scores = logits.argmax(-1)
     else:  # a draft outside the vocabulary has log q = -inf
         V = logits.shape[-1]
-        scores = log_probs(logits, temperature, top_k).gather(-1, drafts.clamp(0, V - 1)[..., None]).squeeze(-1)
+        scores = log_probs(upcast(logits), temperature, top_k).gather(-1, drafts.clamp(0, V - 1)[..., None])
+        scores = scores.squeeze(-1)
         scores = scores.masked_fill((drafts < 0) | (drafts >= V), float("-inf"))
     return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
 

@@ -221,6 +221,29 @@ def test_bad_input(call, match):
         call(x, u)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_acceptance_of_16_bit_logits_scores_in_float32(dtype, monkeypatch):
+    """16-bit logits: log q in float32 from their float32 values, on both backends, so the Triton decisions
+    take the decide kernel (a 16-bit log q would send them to the reference's dozen ops)."""
+    from sigmafast.kernels import decide
+
+    g = torch.Generator().manual_seed(9)
+    B, O, R, V = 2, 3, 5, 70
+    logits = (torch.randn(B, O, R, V, generator=g) * 2).to(dtype)
+    drafts = torch.randint(0, V, (B, O, R), generator=g)
+    draft_logp = torch.full((B, O, R), -4.0)
+    u, lengths = torch.rand(B, O, R, generator=g), torch.tensor([R, 3])
+    want = ref.acceptance(logits, drafts, draft_logp, u, lengths, 0.9, None, "lossless")
+    monkeypatch.setattr(decide.reference, "decide", None)  # the fallback would fail
+    got = acceptance(logits, drafts, draft_logp, u, lengths, 0.9, None, "lossless")
+    assert got.logq.dtype == want.logq.dtype == torch.float32
+    exact = ref.log_probs(logits.float(), 0.9, None).gather(-1, drafts[..., None]).squeeze(-1)
+    torch.testing.assert_close(want.logq, exact, rtol=0, atol=0)
+    torch.testing.assert_close(got.logq, exact, rtol=0, atol=1e-5)
+    for name in ("accept", "n_accept", "best", "first_reject"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
