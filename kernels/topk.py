@@ -20,8 +20,9 @@ share a chunk, so a row has a little over k candidates. With fewer chunks per k
 the chunk maxima bound the threshold loosely and the candidates can overflow
 (below), so a row needs ``CHUNKS_PER_K`` chunks per k (top-k 98 for GPT-2).
 
-* ``_chunk_max_kernel``, grid (rows, window tiles of ``BLOCK_V``): the (N, NC)
-  chunk maximum keys of the aligned windows (``vocab.row_window``), one read.
+* ``_chunk_max_kernel``, persistent over the (row, window tile of ``BLOCK_V``)
+  tiles (``vocab.stream_grid``): the (N, NC) chunk maximum keys of the aligned
+  windows (``vocab.row_window``), one read.
 * ``_pivot_kernel``, grid (row blocks,): t0 of each row from its NC maxima;
   zeroes the row's candidate count.
 * ``_collect_kernel``, grid (rows, cdiv(NC, 32)), one warp: loops over the set
@@ -79,7 +80,7 @@ import triton.language as tl
 
 from . import reference
 from .utils import row_stride
-from .vocab import aligned_rows, is_interior, row_window, split_config, window_masks
+from .vocab import aligned_rows, is_interior, row_window, split_config, stream_grid, window_masks
 
 BINS = tl.constexpr(256)
 DIGIT_BITS = tl.constexpr(8)
@@ -132,25 +133,52 @@ def bisect_keys(b_key, k, ROWS: tl.constexpr, BITS: tl.constexpr):
     return prefix
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "V", "NC"])
+@triton.jit
+def _chunk_max_tile(t, N, NT, s_x, V, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+    """Tile t of the chunk-max stream, rows fastest: (1,) int64 row, its mask (False past the last tile), the
+    window tile p, the (BLOCK_V // CHUNK, CHUNK) window offsets of its chunks, the row's window, interior(p)."""
+    p = t // N
+    o_n64 = (t - p * N).to(tl.int64) + tl.arange(0, 1)
+    m_n = o_n64 < tl.where(p < NT, N, 0)
+    o_base, r_shift, end = row_window(o_n64, s_x, V, ALIGN)
+    o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
+    o_b = o_c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    return o_n64, m_n, o_c, o_b, o_base, r_shift, end, is_interior(p, V, BLOCK_V, ALIGN)
+
+
+@triton.jit
+def _chunk_max_load(X, t, N, NT, s_x, V, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+    """Raw logits of tile t (lanes outside the row's window undefined, as ``vocab.stream_load``)."""
+    _, m_n, _, o_b, o_base, _, end, interior = _chunk_max_tile(t, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
+    if interior:
+        b_raw = tl.load(X + o_base[:, None] + o_b, mask=tl.broadcast_to(m_n[:, None], [BLOCK_V // CHUNK, CHUNK]))
+    else:
+        b_raw = tl.load(X + o_base[:, None] + o_b, mask=m_n[:, None] & (o_b < end[:, None]))
+    return b_raw
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "V", "NC", "NT", "n_tiles"])
 def _chunk_max_kernel(
-    X, CMAX, s_x, N, V, NC,
+    X, CMAX, s_x, N, V, NC, NT, n_tiles,
     BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """(N, NC) int32 bits of the max key of each CHUNK-column window chunk (0 where it holds no column)."""
-    o_n64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,) this row
-    p = tl.program_id(1)
-    m_n = o_n64 < N
-    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (1,) each
-    o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
-    o_b = o_c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # (BLOCK_V // CHUNK, CHUNK) window offsets
-    if is_interior(p, V, BLOCK_V, ALIGN):  # uniform: no column masks inside the rows
-        b_key = order_key32(tl.load(X + o_base[:, None] + o_b).to(tl.float32))
-    else:
-        _, m_w, m_v = window_masks(o_b, r_shift, end, m_n, V)
-        b_key = order_key32(tl.load(X + o_base[:, None] + o_b, mask=m_w, other=0.0).to(tl.float32))
-        b_key = tl.where(m_v, b_key, 0)
-    tl.store(CMAX + o_n64 * NC + o_c, tl.max(b_key, 1).to(tl.int32, bitcast=True), mask=m_n & (o_c < NC))
+    """(N, NC) int32 bits of the max key of each CHUNK-column window chunk (0 where it holds no column). The
+    (row, window tile of BLOCK_V columns) tiles are streamed as in ``vocab._chunk_stats_kernel``: each program
+    loads its next tile before it reduces the current one."""
+    s_x = s_x * STRIDE_UNIT
+    t = tl.program_id(0)
+    step = tl.num_programs(0)
+    b_raw = _chunk_max_load(X, t, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
+    for _ in range(t, n_tiles, step):
+        b_next = _chunk_max_load(X, t + step, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
+        o_n64, m_n, o_c, o_b, _, r_shift, _, interior = _chunk_max_tile(t, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
+        b_key = order_key32(b_raw.to(tl.float32))
+        if not interior:
+            o_v = o_b - r_shift[:, None]
+            b_key = tl.where((o_v >= 0) & (o_v < V), b_key, 0)
+        tl.store(CMAX + o_n64 * NC + o_c, tl.max(b_key, 1).to(tl.int32, bitcast=True), mask=m_n & (o_c < NC))
+        b_raw = b_next
+        t += step
 
 
 @triton.jit(do_not_specialize=["N", "NC", "top_k"])
@@ -326,8 +354,10 @@ def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP) -
     bits = KEY_BITS[logits.dtype]
     cmax = torch.empty(N, nc, dtype=torch.int32, device=logits.device)
     t0 = torch.empty(N, dtype=torch.int32, device=logits.device)
-    _chunk_max_kernel[(N, cfg.nc)](logits, cmax, s_x, N, V, nc, BLOCK_V=cfg.block_v, CHUNK=chunk,
-                                   STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=max(1, min(4, cfg.block_v // 1024)))
+    args = (logits, cmax, s_x, N, V, nc, cfg.nc, N * cfg.nc)
+    meta = dict(BLOCK_V=cfg.block_v, CHUNK=chunk, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align,
+                num_warps=max(1, min(4, cfg.block_v // 1024)))
+    _chunk_max_kernel[stream_grid(_chunk_max_kernel, N * cfg.nc, args, meta, logits.device)](*args, **meta)
     nc_pad = triton.next_power_of_2(nc)
     rows = max(1, PIVOT_TILE // nc_pad)
     _pivot_kernel[(triton.cdiv(N, rows),)](cmax, t0, count, N, nc, top_k, BLOCK_N=rows, NC_PAD=nc_pad, BITS=bits,
