@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One call on a lent GPU: the CUDA tests, the fused step kernels' and radix top-k tests compiled, the engine and kernel
-# benchmarks, a step profile.
+# One call on a lent GPU: the CUDA tests, the fused step kernels' and top-k tests compiled, the engine and kernel
+# benchmarks, the vocabulary kernels' tests compiled (persistent streams at the card's occupancy), a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
-# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 560 s, one call of the device
-# tool: the engine part times sigmafast alone (the issue 9 targets); "anchors" (HF transformers and the compiled
+# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 660 s, more than one device-tool
+# call's 600, but they are caps (the third lend's default parts took 145 s in all); in one call the engine part
+# times sigmafast alone (the issue 9 targets); "anchors" (HF transformers and the compiled
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
 # parts for a second call; engine-ar and engine-burst split the engine part in two, each with its own JSON.
 # pytest-benchmark writes its JSON only when a session ends, but $OUT/cases.jsonl (SIGMAFAST_BENCH_LOG) gets
@@ -28,13 +29,15 @@ run() {  # name, limit in seconds, command...
     tail -n "${GPU_TAIL:-12}" "$OUT/$name.log"
 }
 BENCH=(--benchmark-only -q -p no:cacheprovider --benchmark-columns=median,rounds)
-for part in ${GPU_PARTS:-tests fused engine kernels profile}; do
+for part in ${GPU_PARTS:-tests fused engine kernels vocab profile}; do
     case $part in
     tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
     fused) run fused "${GPU_FUSED_LIMIT:-90}" python -m pytest tests/test_kernels_commit.py \
         tests/test_kernels_layer_norm.py tests/test_kernels_decide.py \
         tests/test_kernels_embed.py tests/test_kernels_flags.py tests/test_kernels_along.py tests/test_kernels_topk.py \
         -q -p no:cacheprovider -rs ;;
+    vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \
+        tests/test_kernels_sampling.py -q -p no:cacheprovider -rs ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/engine.json" -k "${GPU_ENGINE_K:-test_first_call or (test_engine and not inductor)}" ;;
     anchors) run anchors "${GPU_ANCHORS_LIMIT:-300}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
