@@ -133,13 +133,15 @@ def test_vocabulary_ops_over_row_counts():
                 residual_sample(rows, rows.flip(0), u, 0.9, top_k)
             drafts = torch.randint(0, V, (B, O, R), generator=g)
             dl, ua, lens = torch.full((B, O, R), -1.0), torch.rand(B, O, R, generator=g), torch.full((B,), R)
+            accept.topk_logq(rows, drafts.view(-1), 0.9, 2, None, 2, chunks_per_k=1)  # CUDA's top-k log q
             for temperature, top_k in ((1.0, None), (0.8, 2), (0.0, None)):
                 acceptance(logits, drafts, dl, ua, lens, temperature, top_k)
                 for scoring in accept.SCORINGS:
                     acceptance_from_hidden(torch.randn(B, O, R, C, generator=g), weight, drafts, dl, ua, lens,
                                            temperature, top_k, scoring=scoring)
     _assert_bounded(v, ["_chunk_stats_kernel", "_residual_mass_kernel", "_sample_kernel", "_residual_kernel",
-                        "_logq_finish_kernel", "_draft_argmax_kernel", "_lm_head_logq_kernel"])
+                        "_logq_finish_kernel", "_draft_argmax_kernel", "_lm_head_stats_kernel",
+                        "_lm_head_finish_kernel", "_topk_logq_kernel"])
 
 
 def _infill(B, T, n_known, seed):
@@ -174,4 +176,4 @@ def test_generate_compiles_each_kernel_at_most_twice():
                         "_sample_kernel", "_residual_kernel", "_commit_kv_kernel", "_commit_state_kernel",
                         "_add_layer_norm_kernel", "_decide_kernel", "_feed_embedding_kernel",
                         "_flag_nonfinite_kernel", "_burst_status_kernel", "_gather_drafts_kernel"])
-    assert {"_lm_head_logq_kernel", "_logq_finish_kernel"} & set(v.counts()), "no draft was scored"
+    assert {"_lm_head_finish_kernel", "_logq_finish_kernel"} & set(v.counts()), "no draft was scored"

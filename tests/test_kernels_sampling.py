@@ -192,6 +192,30 @@ def test_acceptance_from_hidden(temperature, top_k, rule, scoring, chunk, monkey
                                scoring="cublas")
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0], ids=["T1", "T0.6", "greedy"])
+def test_fused_lm_head_tiles(temperature, poisoned_empty):
+    """The fused scoring's (row blocks, vocabulary tiles) grid: three row blocks (the last ragged), a ragged
+    last tile, a ragged head dim, drafts outside the vocabulary, and greedy ties across tiles (the first
+    index wins)."""
+    g = torch.Generator().manual_seed(12)
+    N, C, V = 150, 40, 300
+    hidden = (torch.randn(N, C, generator=g) * 4).round() / 4  # quarters: exact products with integer weights
+    weight = torch.randn(V, C, generator=g) * 0.3
+    weight[5] = weight[290] = torch.randint(-1, 2, (C,), generator=g).float()  # tiles 0 and 2: exact ties
+    hidden[3] = weight[5] * 10  # ... that are row 3's maximum
+    drafts = torch.randint(0, V, (N,), generator=g)
+    drafts[:2] = torch.tensor([-1, V])
+    drafts[2] = 290
+    got = on_triton_device(accept.lm_head_logq)(hidden, weight, drafts, temperature)
+    logits = hidden @ weight.T
+    if temperature == 0:
+        assert torch.equal(got, logits.argmax(-1)) and got[3] == 5
+        return
+    want = ref.log_probs(logits, temperature, None).gather(-1, drafts.clamp(0, V - 1)[:, None]).squeeze(-1)
+    assert torch.all(got[:2] == float("-inf"))
+    torch.testing.assert_close(got[2:], want[2:], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
