@@ -90,9 +90,10 @@ def resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> 
     if key not in _RESIDENT:
         compiled = kernel.warmup(*args, grid=(1,), **meta)  # compiles (or finds) the launch's variant, no launch
         compiled._init_handles()  # loads the binary and sets n_regs, as the tutorial does
-        props = torch.cuda.get_device_properties(index)
+        props = torch.cuda.get_device_properties(index)  # older torch lacks the fields: sm_90's values
         _RESIDENT[key] = occupancy(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps,
-                                   props.max_threads_per_multi_processor, props.shared_memory_per_multiprocessor)
+                                   getattr(props, "max_threads_per_multi_processor", 2048),
+                                   getattr(props, "shared_memory_per_multiprocessor", 233_472))
     return _RESIDENT[key]
 
 
