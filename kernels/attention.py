@@ -25,8 +25,11 @@ from DRAM; for O·R <= BLOCK_M exactly one read.
 Compiles once per dtype and head dim: the tiles (BLOCK_M, BLOCK_N, BLOCK_D) and
 launch options depend on those only; the split count is a runtime argument
 (``HAS_SPLITS`` is the one data-shape constexpr, so at most two variants);
-by default the splits fill about three programs per SM in whole waves (on an
-H200, B = 8, 96 (b, h) tiles: 4 splits ran 4% faster than 3 at L = 4096 and
+by default the splits fill whole waves of the programs an SM holds, from the
+compiled kernel's registers and shared memory (``utils.resident_programs``: 3
+for 16-bit D = 64 on sm_90, 1 for D = 128, whose 8 warps of 161 registers fill
+12 of the 16 warps' registers an SM has; on an H200, B = 8, 96 (b, h) tiles,
+4 splits, one wave of 3 per SM, ran 4% faster than 3 splits at L = 4096 and
 13% at L = 16384) and each gets at least ``utils.min_split_keys`` cache keys,
 since below that the combine costs more than the split saves;
 every size and stride is in ``do_not_specialize``. The launcher makes the
@@ -45,9 +48,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention, check_same
-from .utils import in_units, min_split_keys, num_sms, strides
+from .utils import in_units, min_split_keys, num_sms, resident_programs, strides
 
 MAX_HEAD_DIM = 256
+SPLIT_WAVE_PROGRAMS = 3  # the CPU interpreter's stand-in for the programs an SM holds (sm_90, D = 64, 16-bit: 3)
 
 _STRIDES = [f"s_{t}{d}" for t in "qkvo" for d in "bgsh"] + [f"s_{t}{d}" for t in "cw" for d in "bhl"]
 
@@ -249,27 +253,34 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
     dst = _ready(out, unit)
     n_m = triton.cdiv(M, BLOCK_M)
     n_tiles = max(triton.cdiv(L, BLOCK_N), 1)
-    if num_splits is None:  # whole waves: about 3 programs per SM (see utils.min_split_keys for the floor)
-        num_splits = max(1, min(3 * num_sms(q.device) // (B * H * n_m), 32,
-                                n_tiles * BLOCK_N // min_split_keys(q.device)))
-    tiles_per_split = triton.cdiv(n_tiles, max(1, min(int(num_splits), n_tiles)))
-    num_splits = triton.cdiv(n_tiles, tiles_per_split)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     o_strides = in_units(unit, *_split_parts(strides(dst)))
+
+    def args(o_part, lse_part, tiles_per_split):
+        return (q, k, v, k_cache, v_cache, cache_lens, dst, o_part, lse_part,
+                *in_units(unit, *_split_parts(strides(q)), *_split_parts(strides(k)), *_split_parts(strides(v))),
+                *o_strides, *in_units(unit, *strides(k_cache)[:3], *strides(v_cache)[:3]),
+                H, M, D, L, S, tiles_per_split, sm_scale)
+
+    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_SPLITS=True, STRIDE_UNIT=unit,
+                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+    if num_splits is None:  # whole waves of the programs an SM holds, each split over min_split_keys keys or more
+        num_splits = max(1, min(32, n_tiles * BLOCK_N // min_split_keys(q.device)))
+        if num_splits > 1:
+            per_sm = SPLIT_WAVE_PROGRAMS
+            if q.is_cuda:
+                scratch = torch.empty(4, dtype=torch.float32, device=q.device)  # the partials' dtype
+                per_sm = resident_programs(_cascade_attn_kernel, args(scratch, scratch, 1), meta, q.device)
+            num_splits = max(1, min(num_splits, per_sm * num_sms(q.device) // (B * H * n_m)))
+    tiles_per_split = triton.cdiv(n_tiles, max(1, min(int(num_splits), n_tiles)))
+    num_splits = triton.cdiv(n_tiles, tiles_per_split)
     if num_splits > 1:
         o_part = torch.empty((num_splits, B * H, M, BLOCK_D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((num_splits, B * H, M), dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = dst  # unused
-    _cascade_attn_kernel[(n_m, B * H, num_splits)](
-        q, k, v, k_cache, v_cache, cache_lens, dst, o_part, lse_part,
-        *in_units(unit, *_split_parts(strides(q)), *_split_parts(strides(k)), *_split_parts(strides(v))), *o_strides,
-        *in_units(unit, *strides(k_cache)[:3], *strides(v_cache)[:3]),
-        H, M, D, L, S, tiles_per_split, sm_scale,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_SPLITS=num_splits > 1, STRIDE_UNIT=unit,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    _cascade_attn_kernel[(n_m, B * H, num_splits)](*args(o_part, lse_part, tiles_per_split),
+                                                   **{**meta, "HAS_SPLITS": num_splits > 1})
     if num_splits > 1:
         _combine_kernel[(n_m, B * H)](
             o_part, lse_part, dst, *o_strides, H, M, D, S, num_splits,
