@@ -12,8 +12,9 @@ against the 100 KB read.
 
 Persistent streaming (``stream_grid``). One program per tile (``PERSISTENT``
 False) loads its tile, waits, reduces it and exits, so an SM's loads drain at
-every tile and the H200 measured these kernels at a third to a half of copy
-bandwidth. Instead one wave of programs, as many as the SMs hold
+every tile: the likely reason the H200 measured these kernels at a third to a
+half of copy bandwidth (``bench_kernels.py`` times both layouts). Instead one
+wave of programs, as many as the SMs hold
 (``utils.resident_programs``), strides over the tiles, and each issues the
 loads of its next tile before it reduces the current one (a register
 prefetch: ``stream_load`` returns the raw tile, ``stream_values`` converts and
