@@ -193,17 +193,20 @@ def test_acceptance(benchmark, impl, top_k, copy_gbps, monkeypatch):
          op="acceptance", rows=B * O * R, V=VOCAB, top_k=top_k, logq_abs_err=err)
 
 
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "triton-tiles", "radix", "reference"])
 @pytest.mark.parametrize("rows", [8, 1280], ids=lambda n: f"rows{n}")
-def test_topk_threshold(benchmark, impl, rows, copy_gbps):
-    """The k-th largest logit per row (k = 50): radix select (kernels/topk.py, 2 passes over bf16) against
-    ``torch.topk``; the bytes counted are one read of the logits."""
-    from sigmafast.kernels.topk import kth_largest
+def test_topk_threshold(benchmark, impl, rows, copy_gbps, monkeypatch):
+    """The k-th largest logit per row (k = 50): the chunk-max prefilter (kernels/topk.py; ``triton-tiles``:
+    its chunk maxima one program per tile) and the radix select (2 passes over bf16) against ``torch.topk``;
+    the bytes counted are one read of the logits."""
+    from sigmafast.kernels.topk import kth_largest, radix_kth_largest
 
+    layout, impl = impl, _stream_layout(impl, monkeypatch)
     logits = _logits(rows, 7)
-    fn = {"triton": lambda: kth_largest(logits, 50), "reference": lambda: ref.kth_largest(logits, 50)}[impl]
+    fn = {"triton": lambda: kth_largest(logits, 50), "radix": lambda: radix_kth_largest(logits, 50),
+          "reference": lambda: ref.kth_largest(logits, 50)}[impl]
     assert torch.equal(fn().float(), ref.kth_largest(logits, 50).float()), f"{impl} threshold differs from topk"
-    _run(benchmark, fn, logits.numel() * logits.element_size(), copy_gbps, impl=impl, op="topk_threshold",
+    _run(benchmark, fn, logits.numel() * logits.element_size(), copy_gbps, impl=layout, op="topk_threshold",
          rows=rows, V=VOCAB, top_k=50)
 
 
