@@ -80,7 +80,8 @@ import triton.language as tl
 
 from . import reference
 from .utils import row_stride
-from .vocab import aligned_rows, is_interior, row_window, split_config, stream_grid, window_masks
+from .vocab import (aligned_rows, in_rows, is_interior, row_window, split_config, stream_grid, stream_load,
+                    stream_tile, window_masks)
 
 BINS = tl.constexpr(256)
 DIGIT_BITS = tl.constexpr(8)
@@ -133,30 +134,6 @@ def bisect_keys(b_key, k, ROWS: tl.constexpr, BITS: tl.constexpr):
     return prefix
 
 
-@triton.jit
-def _chunk_max_tile(t, N, NT, s_x, V, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
-    """Tile t of the chunk-max stream, rows fastest: (1,) int64 row, its mask (False past the last tile), the
-    window tile p, the (BLOCK_V // CHUNK, CHUNK) window offsets of its chunks, the row's window, interior(p)."""
-    p = t // N
-    o_n64 = (t - p * N).to(tl.int64) + tl.arange(0, 1)
-    m_n = o_n64 < tl.where(p < NT, N, 0)
-    o_base, r_shift, end = row_window(o_n64, s_x, V, ALIGN)
-    o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
-    o_b = o_c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    return o_n64, m_n, o_c, o_b, o_base, r_shift, end, is_interior(p, V, BLOCK_V, ALIGN)
-
-
-@triton.jit
-def _chunk_max_load(X, t, N, NT, s_x, V, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
-    """Raw logits of tile t (lanes outside the row's window undefined, as ``vocab.stream_load``)."""
-    _, m_n, _, o_b, o_base, _, end, interior = _chunk_max_tile(t, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
-    if interior:
-        b_raw = tl.load(X + o_base[:, None] + o_b, mask=tl.broadcast_to(m_n[:, None], [BLOCK_V // CHUNK, CHUNK]))
-    else:
-        b_raw = tl.load(X + o_base[:, None] + o_b, mask=m_n[:, None] & (o_b < end[:, None]))
-    return b_raw
-
-
 @triton.jit(do_not_specialize=["s_x", "N", "V", "NC", "NT", "n_tiles"])
 def _chunk_max_kernel(
     X, CMAX, s_x, N, V, NC, NT, n_tiles,
@@ -168,14 +145,14 @@ def _chunk_max_kernel(
     s_x = s_x * STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
-    b_raw = _chunk_max_load(X, t, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
+    b_raw = stream_load(X, t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)  # one row per tile: N row blocks
     for _ in range(t, n_tiles, step):
-        b_next = _chunk_max_load(X, t + step, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
-        o_n64, m_n, o_c, o_b, _, r_shift, _, interior = _chunk_max_tile(t, N, NT, s_x, V, BLOCK_V, CHUNK, ALIGN)
+        b_next = stream_load(X, t + step, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)
+        o_n64, m_n, p, o_b, _, r_shift, _, interior = stream_tile(t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)
+        o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
         b_key = order_key32(b_raw.to(tl.float32))
         if not interior:
-            o_v = o_b - r_shift[:, None]
-            b_key = tl.where((o_v >= 0) & (o_v < V), b_key, 0)
+            b_key = tl.where(in_rows(o_b, r_shift, V), b_key, 0)
         tl.store(CMAX + o_n64 * NC + o_c, tl.max(b_key, 1).to(tl.int32, bitcast=True), mask=m_n & (o_c < NC))
         b_raw = b_next
         t += step

@@ -169,30 +169,41 @@ def aligned_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
 
 
 @triton.jit
-def stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr):
-    """Tile t of a (row blocks x chunks) stream, row blocks fastest: (BLOCK_N,) int64 rows, their mask (all
-    False past the last tile), the chunk c, (1, BLOCK_V) window offsets, the rows' ``row_window`` and
-    ``is_interior(c)``."""
+def stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """Tile t of a (row blocks x window tiles of BLOCK_V columns) stream, row blocks fastest: (BLOCK_N,) int64
+    rows, their mask (all False past the last tile), the tile c, its window offsets as (BLOCK_V // CHUNK, CHUNK)
+    (one row of BLOCK_V when CHUNK == BLOCK_V; smaller chunks with BLOCK_N == 1 only), the rows'
+    ``row_window`` and ``is_interior(c)``."""
     c = t // n_rb
     o_n = (t - c * n_rb) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_n64 = o_n.to(tl.int64)
     o_base, shift, end = row_window(o_n64, s_x, V, ALIGN)
-    o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    o_b = c * BLOCK_V + tl.arange(0, BLOCK_V // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     m_n = o_n < tl.where(c < NC, N, 0)
     return o_n64, m_n, c, o_b, o_base, shift, end, is_interior(c, V, BLOCK_V, ALIGN)
 
 
 @triton.jit
-def stream_load(ptr, t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr):
-    """(BLOCK_N, BLOCK_V) raw logits of ``stream_tile`` t of the rows at ``ptr``, unconverted. Lanes of masked
-    rows, and of an edge chunk outside the rows' windows, are undefined: ``stream_values`` masks the
-    columns and the kernels store masked rows' results nowhere."""
-    _, m_n, _, o_b, o_base, _, end, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+def stream_load(ptr, t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """The raw logits of ``stream_tile`` t of the rows at ``ptr``, unconverted. Lanes of masked rows, and of an
+    edge tile outside the rows' windows, are undefined: ``in_rows`` masks the columns and the kernels store
+    masked rows' results nowhere."""
+    _, m_n, _, o_b, o_base, _, end, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, CHUNK)
+    p_x = ptr + o_base[:, None] + o_b
     if interior:
-        b_raw = tl.load(ptr + o_base[:, None] + o_b, mask=tl.broadcast_to(m_n[:, None], [BLOCK_N, BLOCK_V]))
+        b_raw = tl.load(p_x, mask=tl.broadcast_to(m_n[:, None], p_x.shape))
     else:
-        b_raw = tl.load(ptr + o_base[:, None] + o_b, mask=m_n[:, None] & (o_b < end[:, None]))
+        b_raw = tl.load(p_x, mask=m_n[:, None] & (o_b < end[:, None]))
     return b_raw
+
+
+@triton.jit
+def in_rows(o_b, shift, V):
+    """Whether window offsets o_b are columns of the rows (of the shifts ``shift``) of a stream tile."""
+    o_v = o_b - shift[:, None]
+    return (o_v >= 0) & (o_v < V)
 
 
 @triton.jit
@@ -201,8 +212,7 @@ def stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK: tl
     values as ``chunk_load`` (the same conversion, masks and ``processed``)."""
     b_x = b_raw.to(tl.float32)
     if not interior:
-        o_v = o_b - shift[:, None]
-        b_x = tl.where((o_v >= 0) & (o_v < V), b_x, float("-inf"))
+        b_x = tl.where(in_rows(o_b, shift, V), b_x, float("-inf"))
     return processed(b_x, kth, temperature, HAS_TOPK)
 
 
@@ -217,10 +227,11 @@ def _chunk_stats_kernel(
     s_x = s_x * STRIDE_UNIT  # see utils for STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
-    b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+    b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
     for _ in range(t, n_tiles, step):
-        b_next = stream_load(X, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
-        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+        b_next = stream_load(X, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
+                                                                BLOCK_V)
         kth = tl.zeros([BLOCK_N, 1], tl.float32)
         if HAS_TOPK:
             kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
@@ -264,12 +275,13 @@ def _residual_mass_kernel(
     s_x = s_x * STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
-    b_rq = stream_load(QL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
-    b_rp = stream_load(PL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+    b_rq = stream_load(QL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+    b_rp = stream_load(PL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
     for _ in range(t, n_tiles, step):
-        b_nq = stream_load(QL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
-        b_np = stream_load(PL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
-        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN)
+        b_nq = stream_load(QL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+        b_np = stream_load(PL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
+                                                                BLOCK_V)
         lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
         kq = tl.zeros([BLOCK_N, 1], tl.float32)
         kp = tl.zeros([BLOCK_N, 1], tl.float32)
