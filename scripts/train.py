@@ -55,10 +55,7 @@ def main(argv: typing.Optional[list[str]] = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except FloatingPointError as e:  # the run diverged
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # e.g. the disk filled up while a checkpoint was written; the last one is intact
+    except (FloatingPointError, OSError) as e:  # diverged, or a checkpoint write failed (the last one is intact)
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 130 if result.interrupted else 0

@@ -63,8 +63,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
             session = model.prefill(x, torch.zeros_like(x, dtype=torch.bool))
             targets = x.gather(1, order)
             logits = session.verify(order[:, None], targets[:, None]).logits[:, 0]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
+    logits = kernels.reference.upcast(logits)
     if bool(kernels.reference.nonfinite(logits)):  # every row is used
         raise nonfinite_error("logits")
     logp = torch.log_softmax(logits, dim=-1)

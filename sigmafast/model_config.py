@@ -9,6 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+def known_fields(cls, d: dict) -> dict:
+    """``d`` when every key is a field of the dataclass ``cls`` (a stored config), else a ValueError."""
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
+    return d
+
+
 POS_ENCODINGS = (
     "sinusoidal", "learned",
     "rope", "rope+sinusoidal", "rope+learned",
@@ -108,11 +116,7 @@ class SigmaGPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SigmaGPTConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown SigmaGPTConfig fields: {sorted(unknown)}")
-        return cls(**d)
+        return cls(**known_fields(cls, d))
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SigmaGPTConfig":

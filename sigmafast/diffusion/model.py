@@ -24,14 +24,15 @@ Absorbing noise needs no such term: a clean token is carried over exactly.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model import SigmaGPT, SigmaGPTConfig
+from ..model import SigmaGPT
+from ..model_config import SigmaGPTConfig, known_fields
 from ..loss import linear_cross_entropy
 from .noise import NOISES, add_uniform_log_likelihood, loss_weights
 
@@ -57,11 +58,7 @@ class DiffusionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DiffusionConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown DiffusionConfig fields: {sorted(unknown)}")
-        return cls(**{"parameterization": "plain", **d})  # checkpoints older than the field are "plain"
+        return cls(**{"parameterization": "plain", **known_fields(cls, d)})  # checkpoints older than the field are "plain"
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
