@@ -75,7 +75,7 @@ def _resources(kernel) -> dict:
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
     from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, sampling,
-                                   topk)
+                                   slots, topk)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -126,6 +126,7 @@ def _cases(dtype: torch.dtype):
               torch.rand(2, 1024, generator=g, dtype=torch.float64),
               torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :512])
     yield "drafts along the orders", lambda: along.launch(*drafts)
+    yield "draft slots", lambda: slots.launch(known, drafts[5], 512)
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

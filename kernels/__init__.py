@@ -7,15 +7,15 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
-``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``along``, ``flags``; the module names differ from the
+``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``slots``, ``along``, ``flags``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
 so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
-``add_layer_norm``, ``feed_embedding``, ``gather_drafts`` and ``commit`` fuse a
-step's small ops (a residual add and its LayerNorm; the input embedding and the
-first LayerNorm; the drafts read along the orders; the cache and canvas writes
-of a commit); ``flag_nonfinite`` and ``burst_status``
+``add_layer_norm``, ``feed_embedding``, ``draft_slots``, ``gather_drafts`` and
+``commit`` fuse a step's small ops (a residual add and its LayerNorm; the input
+embedding and the first LayerNorm; the slots a burst drafts; the drafts read
+along the orders; the cache and canvas writes of a commit); ``flag_nonfinite`` and ``burst_status``
 fuse a step's checks (a non-finite output; the burst status). The functions below
 pick one per call:
 
@@ -117,16 +117,17 @@ class _Triton(NamedTuple):
     flags: ModuleType
     layer_norm: ModuleType
     sampling: ModuleType
+    slots: ModuleType
 
 
 def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import accept, along, attention, commit_step, embed, flags, layer_norm, sampling
+        from . import accept, along, attention, commit_step, embed, flags, layer_norm, sampling, slots
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, sampling)
+    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, sampling, slots)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -203,6 +204,15 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     return reference.add_layer_norm(x, y, weight, bias, eps)
 
 
+def draft_slots(known, uniforms, R: int, *, backend: Optional[str] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A burst iteration's R draft slots of a (B, T) known mask: positions, the (B, T) uniforms at them, the
+    used mask (B, R) and the unknown counts (B,); see the reference."""
+    if _resolve(backend, uniforms) == "triton":
+        return _triton().slots.draft_slots(known, uniforms, R)
+    return reference.draft_slots(known, uniforms, R)
+
+
 def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders, *, backend: Optional[str] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A burst's (B, R) drafts read along (B, O, S) visiting orders: tokens, log-probs, uniforms and
@@ -260,6 +270,7 @@ __all__ = [
     "burst_attention",
     "burst_status",
     "commit",
+    "draft_slots",
     "feed_embedding",
     "flag_nonfinite",
     "gather_drafts",

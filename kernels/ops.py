@@ -15,6 +15,8 @@ op                                 inputs -> outputs
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
                                    weight, bias -> x, LayerNorm(x) (B, G, S, C)
+``sigmafast::draft_slots``         known (B, T), uniforms (B, T), R -> positions, uniforms, used (B, R),
+                                   remaining (B,)
 ``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
                                    orders (B, O, S) -> tokens, log-probs, uniforms, slots (B, O, S)
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
@@ -43,6 +45,7 @@ from torch import Tensor
 from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .along import launch as gather_drafts_launch
+from .slots import launch as draft_slots_launch
 from .commit_step import launch as commit_launch
 from .decide import launch as decide_launch
 from .embed import launch as feed_embedding_launch
@@ -157,6 +160,18 @@ def _(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps)
     return x, torch.empty_like(x)
 
 
+@torch.library.custom_op("sigmafast::draft_slots", mutates_args=())
+def _draft_slots(known: Tensor, uniforms: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return draft_slots_launch(known, uniforms, R)
+
+
+@_draft_slots.register_fake
+def _(known, uniforms, R):
+    B = known.shape[0]
+    return (known.new_empty((B, R), dtype=torch.int64), uniforms.new_empty((B, R)),
+            known.new_empty((B, R)), known.new_empty((B,), dtype=torch.int64))
+
+
 @torch.library.custom_op("sigmafast::gather_drafts", mutates_args=())
 def _gather_drafts(positions: Tensor, tokens: Tensor, logp: Tensor, canvas: Tensor, known: Tensor, uniforms: Tensor,
                    orders: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -203,5 +218,5 @@ def _(known, flag):
 
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "decide", "add_layer_norm", "feed_embedding", "gather_drafts", "commit", "flag_nonfinite",
+       "decide", "add_layer_norm", "feed_embedding", "draft_slots", "gather_drafts", "commit", "flag_nonfinite",
        "burst_status")

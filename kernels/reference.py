@@ -304,6 +304,16 @@ def along(values: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:
     return values[:, None, :].expand(B, O, values.shape[1]).gather(2, orders)
 
 
+def draft_slots(known, uniforms, R: int):
+    """A burst iteration's R draft slots of a (B, T) known mask: positions (a row's unknown positions in
+    increasing order, then its known ones), the (B, T) uniforms at them, used (slot < the row's unknown
+    count) and the (B,) unknown counts."""
+    positions = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
+    remaining = (~known).sum(1)  # (B,)
+    used = torch.arange(R, device=known.device)[None, :] < remaining[:, None]
+    return positions, uniforms.gather(1, positions), used, remaining
+
+
 def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders):
     """Each (B, O, S) order step's draft token, log-prob, uniform and slot in the (B, R) ``positions``:
     the draft of its position, or at a known position the canvas token, log-prob 0 and slot 0."""

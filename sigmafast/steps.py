@@ -89,14 +89,22 @@ def _flags_backend(session) -> Optional[str]:
     return "reference" if traced() else _backend(session)
 
 
-def draft(session, u_draft: torch.Tensor, R: int, temperature: float, top_k: Optional[int]) -> Drafts:
-    """Sample a draft at each of the first R remaining positions of every row."""
-    B = session.known.shape[0]
-    positions = session.known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
-    logits = session.draft(positions)  # (B, R, V)
-    tok, logp = kernels.sample(logits.flatten(0, 1), u_draft.gather(1, positions).flatten(), temperature, top_k,
+class Slots(NamedTuple):
+    """The R slots a burst iteration drafts (``kernels.draft_slots``)."""
+
+    positions: torch.Tensor  # (B, R) remaining positions first, ascending, then known ones
+    u_draft: torch.Tensor  # (B, R) the draft uniform of each slot's position
+    used: torch.Tensor  # (B, R) bool: the slot holds a remaining position
+    remaining: torch.Tensor  # (B,) unknown positions of each row
+
+
+def draft(session, slots: Slots, temperature: float, top_k: Optional[int]) -> Drafts:
+    """Sample a draft at each of the R slots of every row."""
+    B, R = slots.positions.shape
+    logits = session.draft(slots.positions)  # (B, R, V)
+    tok, logp = kernels.sample(logits.flatten(0, 1), slots.u_draft.flatten(), temperature, top_k,
                                backend=_backend(session))
-    return Drafts(positions, logits, tok.view(B, R), logp.view(B, R))
+    return Drafts(slots.positions, logits, tok.view(B, R), logp.view(B, R))
 
 
 def orders_of(keys: torch.Tensor, known: torch.Tensor, R: int) -> torch.Tensor:
@@ -152,13 +160,12 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     ``status`` (3,) int64: the largest remaining count, the number of unfinished rows after it,
     and 1 when a draft or verifier output used by this iteration is not finite (else 0).
     """
-    remaining = (~session.known).sum(1)  # (B,)
-    drafts = draft(session, d.u_draft, R, temperature, top_k)
+    slots = Slots(*kernels.draft_slots(session.known, d.u_draft, R, backend=_backend(session)))
+    remaining, used = slots.remaining, slots.used  # (B,), (B, R)
+    drafts = draft(session, slots, temperature, top_k)
     orders = orders_of(d.keys, session.known, R)  # (B, O, R)
-    B = orders.shape[0]
     along = along_orders(session, drafts, d.u_accept, orders)
     verified = session.verify(orders, along.tokens)
-    used = torch.arange(R, device=remaining.device)[None, :] < remaining[:, None]  # (B, R)
     scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
     bad = torch.zeros((), dtype=torch.bool, device=remaining.device)
     backend = _flags_backend(session)
@@ -167,9 +174,8 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     res = accept(session, verified, along, remaining, temperature, top_k, rule)
     choice = res.best  # (B,) lossless: 0, the only order
     if rule == "paper":
-        rows = torch.arange(B, device=remaining.device)
-        n = n_commit = res.n_accept[rows, choice]  # (B,)
-        new_tok = along.tokens[rows, choice]  # (B, R)
+        n = n_commit = res.n_accept.gather(1, choice[:, None]).squeeze(1)  # (B,)
+        new_tok = along.tokens.gather(1, choice[:, None, None].expand(-1, 1, R)).squeeze(1)  # (B, R)
     else:  # lossless: one order, and the residual token at the first rejected step
         n = res.n_accept[:, 0]
         r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)

@@ -38,7 +38,7 @@ def _inputs(case, seed, logp_dtype=torch.float32, u_dtype=torch.float64):
     known = torch.rand(B, T, generator=g) < frac
     R = max(int((~known).sum(1).max()), 1) if kind == "sampler" else T
     R = max(R, min(S, T)) if kind == "sampler" else R
-    positions = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # unknown first, as steps.draft
+    positions = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # unknown first, as draft_slots
     keys = torch.rand(B, O, T, generator=g)
     if kind == "sampler":
         orders = keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :S]  # a strided slice
