@@ -13,17 +13,22 @@ copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=
 * top-k threshold: the k-th largest of 8 or 1280 rows (radix select against ``torch.topk``).
 * acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary; the bytes counted are
   one read of each logit tensor (q, and p for the residual), the least any implementation must move;
-  acceptance_from_hidden: the same from (B, O, R, C) hidden states and the LM head, C = 768 and 128. ``triton-tiles`` runs
-  the same Triton kernels with one program per vocabulary tile instead of the persistent streaming programs.
+  acceptance_from_hidden: the same from (B, O, R, C) hidden states and the LM head, C = 768 and 128.
+  ``triton-tiles`` runs the same Triton kernels with one program per vocabulary tile instead of the
+  persistent streaming programs.
 
-Each case is timed twice: eagerly (``ms``: Python's launch cost included, which dominates the small
-attention cases) and replayed as a CUDA graph (``graph_ms``: the device time, as in the engine's captured
-steps).
+Each case is timed eagerly (``ms``: Python's launch cost included, which dominates the small attention
+cases) and replayed as a CUDA graph (``graph_ms``: the device time, as in the engine's captured steps),
+both by ``triton.testing.do_bench``, whose L2 flush writes a 256 MB buffer; and the graph once more with
+L2 flushed by reading one (``graph_read_flushed_ms``), so that the call does not also write back the
+flush's dirty lines.
 
 Skipped with a reason without CUDA.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
@@ -48,10 +53,31 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / ms / 1e6
 
 
+def _read_flushed_ms(replay, reps: int = 100) -> float:
+    """Median ms of ``replay`` with L2 flushed by reading a 256 MB buffer before each call. ``do_bench``
+    flushes by writing zeros to one, which leaves L2 full of dirty lines (about 50 MB on an H100 or H200)
+    that the timed call must write back while it reads: half again the bytes of the L = 4096 attention
+    case. This timing leaves L2 cold and clean, so it is the kernel's own bandwidth."""
+    flush = torch.zeros(2**26, dtype=torch.float32, device="cuda")  # 256 MB, as do_bench's buffer
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(3):
+        replay()
+    for start, end in zip(starts, ends):
+        torch.sum(flush, dim=0, out=sink)
+        start.record()
+        replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+
+
 def _graph_ms(fn):
-    """Median ms of ``fn`` replayed as a CUDA graph (L2 flushed between replays, as ``do_bench`` does): the
-    device time without Python's launch cost, which the engine's captured steps never pay. None (with
-    the error) when ``fn`` cannot be captured."""
+    """Ms of ``fn`` replayed as a CUDA graph: the device time without Python's launch cost, which the
+    engine's captured steps never pay. Returns (``do_bench``'s figure, L2 flushed between replays by
+    writing; the median with L2 flushed by reading, see ``_read_flushed_ms``; None), or (None, None, the
+    error) when ``fn`` cannot be captured."""
     from triton.testing import do_bench
 
     try:
@@ -66,8 +92,8 @@ def _graph_ms(fn):
             fn()
     except RuntimeError as e:
         torch.cuda.synchronize()
-        return None, f"{type(e).__name__}: {str(e)[:200]}"
-    return do_bench(graph.replay, warmup=10, rep=100), None
+        return None, None, f"{type(e).__name__}: {str(e)[:200]}"
+    return do_bench(graph.replay, warmup=10, rep=100), _read_flushed_ms(graph.replay), None
 
 
 def _run(benchmark, fn, nbytes: int, copy_gbps: float, **info) -> None:
@@ -76,13 +102,16 @@ def _run(benchmark, fn, nbytes: int, copy_gbps: float, **info) -> None:
     fn()  # compile outside the timings
     torch.cuda.synchronize()
     ms = do_bench(fn, warmup=10, rep=100)
-    graph_ms, graph_error = _graph_ms(fn)
+    graph_ms, clean_ms, graph_error = _graph_ms(fn)
     gbps = nbytes / ms / 1e6
     graph_gbps = None if graph_ms is None else nbytes / graph_ms / 1e6
+    clean_gbps = None if clean_ms is None else nbytes / clean_ms / 1e6
     benchmark.extra_info.update(
         ms=ms, bytes=nbytes, gbps=gbps, copy_gbps=copy_gbps, fraction_of_copy_bw=gbps / copy_gbps,
         graph_ms=graph_ms, graph_gbps=graph_gbps, graph_error=graph_error,
         graph_fraction_of_copy_bw=None if graph_gbps is None else graph_gbps / copy_gbps,
+        graph_read_flushed_ms=clean_ms,
+        graph_read_flushed_fraction_of_copy_bw=None if clean_gbps is None else clean_gbps / copy_gbps,
         **info, **device_info(torch.device("cuda")),
     )
     benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=20, iterations=1, warmup_rounds=2)

@@ -86,10 +86,12 @@ def main() -> None:
     parser.add_argument("--orders", type=int, default=5, help="burst orders of the paper rule (lossless: 1)")
     parser.add_argument("--vocab", type=int, help="vocabulary size (default 50257; 512 counting ops)")
     parser.add_argument("--block-size", type=int, help="canvas length (default the preset's; 64 counting ops)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, help="top-k sampling (default: none)")
     parser.add_argument("--count-ops", action="store_true", help="count dispatched ops instead of GPU kernels")
     parser.add_argument("--by-line", action="store_true", help="--count-ops: group the ops by source line")
     args = parser.parse_args()
-    for name, low in (("batch", 1), ("remaining", 1), ("orders", 1), ("vocab", 2), ("block_size", 1)):
+    for name, low in (("batch", 1), ("remaining", 1), ("orders", 1), ("vocab", 2), ("block_size", 1), ("top_k", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -146,17 +148,19 @@ def main() -> None:
         session = engine.start(canvas, known)
         d = draw_burst(g, session.batch_size, orders, T, device)
         for _ in range(2):  # warm: kernels compiled
-            engine.burst(session, d, R, 1.0, None, args.rule)
+            engine.burst(session, d, R, args.temperature, args.top_k, args.rule)
         session = engine.start(canvas, known)
-        measured(f"burst iteration {args.shape} {args.rule} B={B} R={R} O={orders}",
-                 lambda: engine.burst(session, d, R, 1.0, None, args.rule), 1)
+        sampling = f"T={args.temperature}" + (f" top-k={args.top_k}" if args.top_k else "")
+        measured(f"burst iteration {args.shape} {args.rule} B={B} R={R} O={orders} {sampling}",
+                 lambda: engine.burst(session, d, R, args.temperature, args.top_k, args.rule), 1)
 
         visit = (~known).to(torch.int8).argsort(dim=1, stable=True)
         plan = steps.ar_plan(visit, draw(g, (B, T), device), known.sum(1))
         session = engine.start(canvas, known)
         for _ in range(2):
-            engine.ar(session, plan, 1.0, None)
-        measured(f"autoregressive step {args.shape} B={B}", lambda: engine.ar(session, plan, 1.0, None), 4)
+            engine.ar(session, plan, args.temperature, args.top_k)
+        measured(f"autoregressive step {args.shape} B={B} {sampling}",
+                 lambda: engine.ar(session, plan, args.temperature, args.top_k), 4)
         measured(f"prefill {args.shape} B={B}, {T - left} known tokens", lambda: engine.start(canvas, known), 2)
 
 

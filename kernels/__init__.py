@@ -7,10 +7,11 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
-``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``slots``, ``along``, ``flags``; the module names differ from the
-functions' so that importing a module never rebinds a public name of this
-package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
-so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
+``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``slots``, ``along``,
+``flags``; the module names differ from the functions' so that importing a
+module never rebinds a public name of this package), registered as PyTorch
+custom ops ``torch.ops.sigmafast.*`` by ``ops`` so that ``torch.compile``
+traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
 ``add_layer_norm``, ``feed_embedding``, ``draft_slots``, ``gather_drafts`` and
 ``commit`` fuse a step's small ops (a residual add and its LayerNorm; the input
