@@ -74,8 +74,8 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, sampling,
-                                   slots, topk)
+    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, rotary,
+                                   sampling, slots, topk)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -127,6 +127,12 @@ def _cases(dtype: torch.dtype):
               torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :512])
     yield "drafts along the orders", lambda: along.launch(*drafts)
     yield "draft slots", lambda: slots.launch(known, drafts[5], 512)
+    for D in (64, 128):  # the QKV projection's views (B, O, H, R, D) rotated in place, and an output back
+        proj = torch.randn(2, 5, 256, 3 * 12 * D, generator=g).to(dtype)
+        qkv = [t.view(2, 5, 256, 12, D).transpose(-3, -2) for t in proj.split(12 * D, dim=-1)]
+        pos = torch.randint(0, 1025, (2, 5, 256), generator=g)
+        cos, sin = (torch.rand(1025, D // 2, generator=g).to(dtype) for _ in range(2))
+        yield f"rotary q, k, v D={D}", lambda a=(*qkv, pos, pos, cos, sin): rotary.launch(*a, 1.0)
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

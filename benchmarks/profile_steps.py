@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--orders", type=int, default=5, help="burst orders of the paper rule (lossless: 1)")
     parser.add_argument("--vocab", type=int, help="vocabulary size (default 50257; 512 counting ops)")
     parser.add_argument("--block-size", type=int, help="canvas length (default the preset's; 64 counting ops)")
+    parser.add_argument("--pos-encoding", help="the model's position encoding (default: the preset's)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, help="top-k sampling (default: none)")
     parser.add_argument("--count-ops", action="store_true", help="count dispatched ops instead of GPU kernels")
@@ -110,6 +111,8 @@ def main() -> None:
     small = args.count_ops
     vocab = args.vocab or (512 if small else 50257)
     overrides = {"block_size": args.block_size or 64} if small or args.block_size else {}
+    if args.pos_encoding:
+        overrides["pos_encoding"] = args.pos_encoding
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda and not small else torch.float32  # counts: as on the CPU
     torch.manual_seed(0)

@@ -7,16 +7,17 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
-``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``slots``, ``along``,
-``flags``; the module names differ from the functions' so that importing a
+``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
+``along``, ``flags``; the module names differ from the functions' so that importing a
 module never rebinds a public name of this package), registered as PyTorch
 custom ops ``torch.ops.sigmafast.*`` by ``ops`` so that ``torch.compile``
 traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
-``add_layer_norm``, ``feed_embedding``, ``draft_slots``, ``gather_drafts`` and
-``commit`` fuse a step's small ops (a residual add and its LayerNorm; the input
-embedding and the first LayerNorm; the slots a burst drafts; the drafts read
-along the orders; the cache and canvas writes of a commit); ``flag_nonfinite`` and ``burst_status``
+``add_layer_norm``, ``feed_embedding``, ``rotary_``, ``draft_slots``,
+``gather_drafts`` and ``commit`` fuse a step's small ops (a residual add and its
+LayerNorm; the input embedding and the first LayerNorm; a layer's RoPE; the
+slots a burst drafts; the drafts read along the orders; the cache and canvas
+writes of a commit); ``flag_nonfinite`` and ``burst_status``
 fuse a step's checks (a non-finite output; the burst status). The functions below
 pick one per call:
 
@@ -117,6 +118,7 @@ class _Triton(NamedTuple):
     embed: ModuleType
     flags: ModuleType
     layer_norm: ModuleType
+    rotary: ModuleType
     sampling: ModuleType
     slots: ModuleType
 
@@ -125,10 +127,10 @@ def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import accept, along, attention, commit_step, embed, flags, layer_norm, sampling, slots
+        from . import accept, along, attention, commit_step, embed, flags, layer_norm, rotary, sampling, slots
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, sampling, slots)
+    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, rotary, sampling, slots)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -205,6 +207,14 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     return reference.add_layer_norm(x, y, weight, bias, eps)
 
 
+def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Optional[str] = None) -> None:
+    """RoPE in place: q (..., H, T, D) rotated by the angles of table rows ``pos_q`` (..., T), k and v (each
+    optional) by ``pos_k``'s, times ``sign`` (-1 rotates back); see the reference."""
+    if _resolve(backend, q) == "triton":
+        return _triton().rotary.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
+    return reference.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
+
+
 def draft_slots(known, uniforms, R: int, *, backend: Optional[str] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A burst iteration's R draft slots of a (B, T) known mask: positions, the (B, T) uniforms at them, the
@@ -276,6 +286,7 @@ __all__ = [
     "flag_nonfinite",
     "gather_drafts",
     "residual_sample",
+    "rotary_",
     "sample",
     "use_backend",
     "verify_attention",

@@ -15,6 +15,8 @@ op                                 inputs -> outputs
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
                                    weight, bias -> x, LayerNorm(x) (B, G, S, C)
+``sigmafast::rotary_``             q, k, v (..., H, T, D) (k, v optional), positions (..., T), cos/sin
+                                   tables, sign -> None; rotates q, k, v in place (RoPE)
 ``sigmafast::draft_slots``         known (B, T), uniforms (B, T), R -> positions, uniforms, used (B, R),
                                    remaining (B,)
 ``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
@@ -26,9 +28,9 @@ op                                 inputs -> outputs
 ``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
 =================================  ==========================================================
 
-Every op but ``commit`` and ``flag_nonfinite`` is functional: it returns new tensors and mutates none
-of its inputs. ``commit`` declares the session buffers it writes in place (``mutates_args``), and
-``flag_nonfinite`` its flag.
+Every op but ``commit``, ``rotary_`` and ``flag_nonfinite`` is functional: it returns new tensors and
+mutates none of its inputs. ``commit`` declares the session buffers it writes in place (``mutates_args``),
+``rotary_`` the tensors it rotates, and ``flag_nonfinite`` its flag.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -46,6 +48,8 @@ from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .along import launch as gather_drafts_launch
 from .slots import launch as draft_slots_launch
+from .rotary import launch as rotary_launch
+from .reference import rotary_ as rotary_reference
 from .commit_step import launch as commit_launch
 from .decide import launch as decide_launch
 from .embed import launch as feed_embedding_launch
@@ -160,6 +164,18 @@ def _(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps)
     return x, torch.empty_like(x)
 
 
+@torch.library.custom_op("sigmafast::rotary_", mutates_args=("q", "k", "v"))
+def _rotary_(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], pos_q: Tensor, pos_k: Optional[Tensor],
+             cos: Tensor, sin: Tensor, sign: float) -> None:
+    if not rotary_launch(q, k, v, pos_q, pos_k, cos, sin, sign):  # a layout the kernel cannot rotate in place
+        rotary_reference(q, k, v, pos_q, pos_k, cos, sin, sign)
+
+
+@_rotary_.register_fake
+def _(q, k, v, pos_q, pos_k, cos, sin, sign):
+    return None
+
+
 @torch.library.custom_op("sigmafast::draft_slots", mutates_args=())
 def _draft_slots(known: Tensor, uniforms: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return draft_slots_launch(known, uniforms, R)
@@ -218,5 +234,5 @@ def _(known, flag):
 
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "decide", "add_layer_norm", "feed_embedding", "draft_slots", "gather_drafts", "commit", "flag_nonfinite",
-       "burst_status")
+       "decide", "add_layer_norm", "feed_embedding", "rotary_", "draft_slots", "gather_drafts", "commit",
+       "flag_nonfinite", "burst_status")

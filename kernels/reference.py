@@ -304,6 +304,17 @@ def along(values: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:
     return values[:, None, :].expand(B, O, values.shape[1]).gather(2, orders)
 
 
+def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
+    """Rotate q (..., H, T, D), and k and v when not None, in place: the channel pairs (x_i, x_{i + D/2})
+    of each head by the angles of rows ``pos_q`` (..., T) (``pos_k`` for k and v) of the (n_pos, D/2)
+    cos and sin tables, times ``sign``; in the tensors' dtype, as the model's RoPE."""
+    for x, pos in ((q, pos_q), (k, pos_k), (v, pos_k)):
+        if x is not None:
+            c, s = cos[pos].unsqueeze(-3).to(x.dtype), (sin[pos] * sign).unsqueeze(-3).to(x.dtype)
+            x1, x2 = x.chunk(2, dim=-1)
+            x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+
+
 def draft_slots(known, uniforms, R: int):
     """A burst iteration's R draft slots of a (B, T) known mask: positions (a row's unknown positions in
     increasing order, then its known ones), the (B, T) uniforms at them, used (slot < the row's unknown

@@ -62,6 +62,29 @@ def traced() -> bool:
     return torch.is_grad_enabled() or torch.compiler.is_compiling()
 
 
+class FusedRotary(NamedTuple):
+    """A forward's RoPE as in-place Triton kernels (``kernels.rotary_``): one launch per layer for q, k and
+    v, one for ``rope-v``'s rotation back, where :class:`~sigmafast.positions.Rotary` takes about thirty
+    small ops. Same interface; it rotates the projection's views in place, so their layout is kept."""
+
+    in_pos: torch.Tensor  # (..., T) positions of keys and values
+    out_pos: torch.Tensor  # (..., T) positions of queries
+    cos: torch.Tensor  # (n_pos, D/2) the model's tables
+    sin: torch.Tensor
+    values: bool  # rope-v
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kernels.rotary_(q, k, v if self.values else None, self.out_pos, self.in_pos, self.cos, self.sin,
+                        backend="triton")
+        return q, k, v
+
+    def restore(self, y: torch.Tensor) -> torch.Tensor:
+        if self.values:
+            kernels.rotary_(y, None, None, self.out_pos, None, self.cos, self.sin, -1.0, backend="triton")
+        return y
+
+
 def _embedding_params(model) -> Optional[tuple]:
     """(wte, pe_in, pe_out, weight, bias, eps) of ``kernels.feed_embedding`` for the model's embedding and
     first ``ln_1``, or None where the kernel does not apply (another norm, or tables of another dtype)."""
@@ -195,13 +218,23 @@ class NeuralSession:
         model, cache = self.model, self.cache
         x, h, _ = self.feed(positions[..., None], None)  # (B, R, 1, C): R orders of one step
         x, h = (t if t is None else t.view(B, R, -1) for t in (x, h))
-        rotary = model.rotary(self.last_pos[:, None].expand(B, R), positions)  # in the (B, H, R, D) layout
+        rotary = self.rotary(self.last_pos[:, None].expand(B, R), positions)  # in the (B, H, R, D) layout
 
         def attend(i, q, k, v):  # (B, H, R, D)
             k_cache, v_cache = cache.layer(i)
             return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
         return self.head(model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm(), h=h))
+
+    def rotary(self, in_pos: torch.Tensor, out_pos: torch.Tensor):
+        """The model's RoPE of a forward at (..., T) positions (None without one): in-place kernels on the
+        Triton path when nothing traces the step, else the model's own."""
+        model = self.model
+        if not model.config.rotary:
+            return None
+        if self.backend == "triton" and not traced() and not model.training:
+            return FusedRotary(in_pos, out_pos, model.rope_cos, model.rope_sin, model.config.rotary_values)
+        return model.rotary(in_pos, out_pos)
 
     def _add_norm(self):
         """The residual add + norm of this step: fused on the Triton path when nothing traces it."""
@@ -218,11 +251,11 @@ class NeuralSession:
         B, O, R = orders.shape
         model, cache = self.model, self.cache
         x, h, in_pos = self.feed(orders, drafts)  # (B, O, R, C)
-        rotary = None if in_pos is None else model.rotary(in_pos, orders)  # None without RoPE
+        rotary = None if in_pos is None else self.rotary(in_pos, orders)  # None without RoPE
         # eager (CUDA graphs): every layer's projection in one buffer, so that commit reads all layers' keys
         # and values from it (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
-        # eager only, and not with rotated keys
-        shared = rotary is None and not traced()
+        # eager only, and not with keys rotated out of place
+        shared = (rotary is None or isinstance(rotary, FusedRotary)) and not traced()
         keys, values = [], []
 
         def attend(i, q, k, v):  # (B, O, H, R, D)
@@ -235,7 +268,7 @@ class NeuralSession:
         if shared:
             C, H = x.shape[-1], model.config.n_head
             qkv = x.new_empty(model.config.n_layer, B, O, R, 3 * C)
-            hidden = model.run_layers(x, attend, None, qkv_out=qkv, add_norm_fn=self._add_norm(), h=h)
+            hidden = model.run_layers(x, attend, rotary, qkv_out=qkv, add_norm_fn=self._add_norm(), h=h)
             kv = qkv[..., C:].unflatten(-1, (2, H, C // H)).permute(4, 0, 1, 2, 5, 3, 6)  # (2, L, B, O, H, R, D)
             return Verified(orders, hidden, None, kv[0], kv[1])
         hidden = model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm(), h=h)  # keys and values stacked once

@@ -152,11 +152,12 @@ def _infill(B, T, n_known, seed):
     return torch.randint(0, 7, (B, T), generator=g), known
 
 
-def test_generate_compiles_each_kernel_at_most_twice():
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "rope-v"])
+def test_generate_compiles_each_kernel_at_most_twice(pos_encoding):
     """Many ``generate`` calls on one fp32 model: batch sizes 1-3, prompt lengths, ragged infilling,
     paper (1 and 3 orders) and lossless rules, top-k, greedy, autoregressive; R takes many values,
-    and caches over 32 keys split the KV."""
-    model = tiny_model(vocab_size=7, block_size=40, dtype=torch.float32).to(DEVICE)
+    and caches over 32 keys split the KV. With rope-v the layers' rotations are kernels too."""
+    model = tiny_model(vocab_size=7, block_size=40, dtype=torch.float32, pos_encoding=pos_encoding).to(DEVICE)
     calls = [
         (torch.randint(0, 7, (1, 2)), None, 10, dict(acceptance="paper", num_orders=3)),
         (torch.randint(0, 7, (2, 30)), None, 10, dict(acceptance="paper", num_orders=1)),
@@ -176,5 +177,5 @@ def test_generate_compiles_each_kernel_at_most_twice():
                         "_sample_kernel", "_residual_kernel", "_commit_kv_kernel", "_commit_state_kernel",
                         "_add_layer_norm_kernel", "_decide_kernel", "_feed_embedding_kernel",
                         "_flag_nonfinite_kernel", "_burst_status_kernel", "_gather_drafts_kernel",
-                        "_draft_slots_kernel"])
+                        "_draft_slots_kernel"] + (["_rotary_kernel"] if pos_encoding == "rope-v" else []))
     assert {"_lm_head_finish_kernel", "_logq_finish_kernel"} & set(v.counts()), "no draft was scored"

@@ -230,7 +230,12 @@ def test_kernels_are_custom_ops():
                                     torch.tensor([[True, False, True, False], [False, False, False, True]]),
                                     torch.rand(2, 4, generator=g, dtype=torch.float64),
                                     torch.rand(2, 2, 4, generator=g).argsort(-1)[..., :3])),
+        "rotary_": (*_dev(torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)), None,
+                    *_dev(torch.randint(0, 7, (2, 5), generator=g), torch.randint(0, 7, (2, 5), generator=g),
+                          torch.rand(7, 4, generator=g), torch.rand(7, 4, generator=g)), -1.0),
+        "draft_slots": (*_dev(torch.rand(2, 6, generator=g) < 0.5, torch.rand(2, 6, generator=g)), 4),
     }
+    assert set(samples) == set(ops.OPS)
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
         torch.library.opcheck(getattr(torch.ops.sigmafast, name).default, args,
                               test_utils=("test_schema", "test_faketensor"))
@@ -247,6 +252,7 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
     lens, hidden, weight = _dev(torch.tensor([5, 20]), torch.randn(B, O, R, C, generator=g),
                                 torch.randn(V, C, generator=g))
     u, ua, ur = _dev(torch.rand(B * R, generator=g), torch.rand(B, O, R, generator=g), torch.rand(B, generator=g))
+    known, u_pos = _dev(torch.rand(B, L, generator=g) < 0.5, torch.rand(B, L, generator=g))
 
     def step(q, k, v, hidden):
         x = kernels.burst_attention(q[:, 0], k[:, 0], v[:, 0], kc, vc, lens, backend="triton")
@@ -262,7 +268,8 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         res_m = kernels.acceptance_from_hidden(hidden, weight, drafts, draft_logp, ua, lens.clamp(max=R), 0.9,
                                                rule="lossless", backend="triton", scoring="matmul")
         r_tok = kernels.residual_sample(hidden[:, 0, 0] @ weight.T, p_logits[:, 0], ur, 0.9, backend="triton")
-        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok
+        slots = kernels.draft_slots(known, u_pos, R, backend="triton")
+        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots
 
     traced = set()
 
@@ -277,7 +284,8 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     ops = {f"sigmafast.{name}" for name in
-           ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample")}
+           ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample",
+            "draft_slots")}
     assert ops <= traced, f"not in the graph: {ops - traced}"
 
 
