@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .loss import linear_cross_entropy
 from .model_config import SigmaGPTConfig
-from .positions import Rotary, rotary_tables, sinusoidal_table
+from .positions import Rotary, rotary_tables, sinusoidal_table, turn_tables
 
 def linear_into(x: torch.Tensor, layer: nn.Linear, out: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for (..., C) ``x``, written into the contiguous (..., N) ``out`` by one matmul."""
@@ -152,9 +152,12 @@ class SigmaGPT(nn.Module):
         elif config.absolute == "sinusoidal":
             self.register_buffer("pe_table", sinusoidal_table(n_pos, half), persistent=False)
         if config.rotary:
-            cos, sin = rotary_tables(n_pos, config.head_dim)
+            cos, sin = rotary_tables(n_pos, config.head_dim)  # (n_pos, D/2): the kernels' tables
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+            turn_cos, turn_sin = turn_tables(cos, sin)  # (n_pos, D): Rotary's
+            self.register_buffer("rope_turn_cos", turn_cos, persistent=False)
+            self.register_buffer("rope_turn_sin", turn_sin, persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = (ScalarGainNorm(config.n_embd) if config.final_norm == "scalar"
@@ -222,8 +225,8 @@ class SigmaGPT(nn.Module):
         """(..., T) positions -> the RoPE angles of queries (``out_pos``) and keys (``in_pos``), or None."""
         if not self.config.rotary:
             return None
-        angles = [t[out_pos].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin)]  # (..., 1, T, D/2)
-        angles += [t[in_pos].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin)]
+        angles = [t[out_pos].unsqueeze(-3) for t in (self.rope_turn_cos, self.rope_turn_sin)]  # (..., 1, T, D)
+        angles += [t[in_pos].unsqueeze(-3) for t in (self.rope_turn_cos, self.rope_turn_sin)]
         return Rotary(*angles, values=self.config.rotary_values)
 
     def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None,

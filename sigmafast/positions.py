@@ -52,7 +52,8 @@ def sinusoidal_table(n_pos: int, dim: int, scale: float = PE_SCALE) -> torch.Ten
 
 
 class Rotary(NamedTuple):
-    """Rotation angles of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D/2) each.
+    """Rotation tables of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D) each, the
+    angles' ``[cos, cos]`` and ``[-sin, sin]`` (:func:`turn_tables`).
 
     With ``values`` the values are rotated as the keys, and :meth:`restore` rotates
     each attention output back by its query's angle (``rope-v``).
@@ -66,9 +67,11 @@ class Rotary(NamedTuple):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """(..., H, T, D) rotated pairwise (x_i, x_{i + D/2}) by the angles of cos/sin (..., 1, T, D/2)."""
+        """(..., H, T, D) rotated pairwise (x_i, x_{i + D/2}) by the angles whose (..., 1, T, D) tables are
+        ``cos`` = [cos, cos] and ``sin`` = [-sin, sin]: x_i cos - x_{i + D/2} sin and x_{i + D/2} cos + x_i sin,
+        bit for bit, in four ops (a swap of the halves, two products, a sum) instead of seven."""
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return x * cos + torch.cat([x2, x1], dim=-1) * sin
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -79,7 +82,10 @@ class Rotary(NamedTuple):
 
     def restore(self, y: torch.Tensor) -> torch.Tensor:
         """(..., H, T, D) attention output, rotated back by ``out_pos`` with ``values``; else unchanged."""
-        return self.rotate(y, self.cos_q, -self.sin_q) if self.values else y
+        if not self.values:
+            return y
+        y1, y2 = y.chunk(2, dim=-1)
+        return y * self.cos_q - torch.cat([y2, y1], dim=-1) * self.sin_q  # the rotation by minus the angle
 
 
 def rotary_tables(n_pos: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,3 +93,9 @@ def rotary_tables(n_pos: int, head_dim: int, base: float = ROPE_BASE) -> tuple[t
     inv_freq = torch.pow(base, -torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angle = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq  # (n_pos, D/2)
     return angle.cos().float(), angle.sin().float()
+
+
+def turn_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_pos, D/2) cos and sin -> (n_pos, D) ``[cos, cos]`` and ``[-sin, sin]``, the tables of
+    :meth:`Rotary.rotate`."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)

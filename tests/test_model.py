@@ -8,7 +8,7 @@ from sigmafast import orders
 from sigmafast.loss import linear_cross_entropy
 from sigmafast.model import SigmaGPT
 from sigmafast.model_config import PRESETS, SigmaGPTConfig
-from sigmafast.positions import PE_SCALE, Rotary, rotary_tables, sinusoidal_table
+from sigmafast.positions import PE_SCALE, Rotary, rotary_tables, sinusoidal_table, turn_tables
 
 
 def tiny_config(**kw) -> SigmaGPTConfig:
@@ -134,7 +134,7 @@ def test_chunked_loss_rejects_bad_inputs(args, error, match):
 
 
 def test_rope_scores_depend_only_on_the_offset():
-    cos, sin = rotary_tables(40, 8)
+    cos, sin = turn_tables(*rotary_tables(40, 8))
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 1, 1, 8, generator=g).unbind(0)  # (1, 1, D) each
 
@@ -147,6 +147,22 @@ def test_rope_scores_depend_only_on_the_offset():
         scores = torch.stack([score(p + offset, p) for p in range(6, 30, 4)])
         torch.testing.assert_close(scores, scores[0].expand_as(scores), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(score(9, 6), score(9, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rotate_is_the_pairwise_rotation_bit_for_bit(dtype):
+    """``Rotary.rotate`` (four ops on the [cos, cos] and [-sin, sin] tables) and ``restore`` against the
+    pairwise formulas x_i cos -+ x_{i + D/2} sin, written out: equal to the last bit in every dtype."""
+    cos, sin = (t.to(dtype) for t in rotary_tables(300, 16))
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 2, 40, 16, generator=g) * 3).to(dtype)  # (B, H, T, D)
+    pos = torch.randint(0, 300, (3, 1, 40), generator=g)
+    c, s = cos[pos], sin[pos]  # (B, 1, T, D/2)
+    x1, x2 = x.chunk(2, dim=-1)
+    turn = [t[pos] for t in turn_tables(cos, sin)]
+    assert torch.equal(Rotary.rotate(x, *turn), torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+    back = Rotary(*turn, *turn, values=True).restore(x)
+    assert torch.equal(back, torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1))
 
 
 def test_rope_keeps_norms_and_has_no_absolute_table():
