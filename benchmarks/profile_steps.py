@@ -17,18 +17,25 @@ capture would run them:
   (``TorchDispatchMode``), leaving out views and allocations, which launch no
   kernel. On CUDA each counted ATen op is at least one kernel and each custom
   op one to three; for small models these launches, not the arithmetic, set a
-  replayed step's time. It defaults to a 512-token vocabulary, a 64-position
-  canvas and 40 remaining positions (the interpreter is slow); ``--by-line``
-  groups the ops by the source line that issued them.
+  replayed step's time. The Triton launches inside the custom ops are counted
+  too, for an estimate of the kernels; it follows the interpreter's stand-ins
+  (KV splits from 32 cache keys, the top-k threshold by ``torch.topk``). It
+  defaults to a 512-token vocabulary, a 64-position canvas and 40 remaining
+  positions (the interpreter is slow); ``--by-line`` groups the ops by the
+  source line that issued them, and lists the launches per kernel.
+  ``--pos-encoding``, ``--temperature`` and ``--top-k`` change the model and
+  the sampling.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import time
 import traceback
+from typing import Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -59,6 +66,27 @@ class OpLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def triton_launches() -> Iterator[collections.Counter]:
+    """Count the Triton kernels launched inside the block, per kernel name (the interpreter's launcher; on
+    the CPU the custom ops' kernels run there)."""
+    from triton.runtime import interpreter
+
+    launches: collections.Counter = collections.Counter()
+    original = interpreter.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            launches[self.fn.__name__] += 1
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = run
+    try:
+        yield launches
+    finally:
+        interpreter.InterpretedFunction.run = original
+
+
 def _kernel_table(prof, title: str, steps_run: int, wall_ms: float) -> None:
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     launches = sum(e.count for e in events) / steps_run
@@ -69,12 +97,18 @@ def _kernel_table(prof, title: str, steps_run: int, wall_ms: float) -> None:
         print(f"  {e.self_device_time_total / 1e3 / steps_run:8.4f} ms  x{e.count / steps_run:5.1f}  {e.key[:90]}")
 
 
-def _op_table(ops: list, title: str, steps_run: int, by_line: bool) -> None:
+def _op_table(ops: list, launches: collections.Counter, title: str, steps_run: int, by_line: bool) -> None:
     custom = sum(1 for op, _ in ops if op.startswith("sigmafast."))
-    print(f"\n== {title}: {len(ops) / steps_run:.0f} ops ({custom / steps_run:.0f} sigmafast custom ops) per step")
+    kernels = len(ops) - custom + sum(launches.values())
+    print(f"\n== {title}: {len(ops) / steps_run:.0f} ops ({custom / steps_run:.0f} sigmafast custom ops, "
+          f"{sum(launches.values()) / steps_run:.0f} Triton launches in them; about {kernels / steps_run:.0f} "
+          f"kernels) per step")
     groups = collections.Counter(ops if by_line else [(op, "") for op, _ in ops])
     for (op, site), n in sorted(groups.items(), key=lambda kv: (kv[0][1], -kv[1])):
         print(f"  {n / steps_run:6.1f}  {op:28s} {site}")
+    if by_line:
+        for name, n in sorted(launches.items()):
+            print(f"  {n / steps_run:6.1f}  {name:28s} (Triton)")
 
 
 def main() -> None:
@@ -130,10 +164,10 @@ def main() -> None:
 
     def measured(title: str, step, steps_run: int) -> None:
         if small:
-            with OpLog() as log:
+            with OpLog() as log, triton_launches() as launches:
                 for _ in range(steps_run):
                     step()
-            _op_table(log.ops, title, steps_run, args.by_line)
+            _op_table(log.ops, launches, title, steps_run, args.by_line)
             return
         torch.cuda.synchronize()
         t0 = time.perf_counter()
