@@ -21,6 +21,10 @@ CONFIGS = [
     pytest.param(dict(n_layer=1, n_head=2, n_embd=64, vocab_size=101, mlp_ratio=0, bias=False, final_norm="scalar",
                       pos_encoding="rope"), 4, 100, id="permutation-recipe"),
     pytest.param(dict(n_layer=1, n_head=4, n_embd=64, vocab_size=30, mlp_ratio=1), 2, 32, id="mlp-ratio-1"),
+    pytest.param(dict(n_layer=2, n_head=4, n_embd=64, vocab_size=30, pos_encoding="rope-v+learned"), 2, 24,
+                 id="rope-v-learned"),
+    pytest.param(dict(n_layer=1, n_head=8, n_embd=64, vocab_size=30, pos_encoding="rope+sinusoidal"), 2, 24,
+                 id="rope-sinusoidal"),
 ]
 
 
