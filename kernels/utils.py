@@ -18,7 +18,8 @@ operands keep Triton's 16-byte pointer-alignment specialisation.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import warnings
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -75,6 +76,28 @@ def occupancy(n_regs: int, shared: int, num_warps: int, max_threads: int, shared
 
 
 _RESIDENT: dict = {}  # (kernel, device index, tensor dtypes, meta) -> programs per SM; like Triton's kernel cache
+FALLBACK_RESIDENT = 2  # programs per SM assumed when Triton does not expose a compiled kernel's registers
+
+
+def measured_or_fallback(measure: Callable[[], int], name: str) -> int:
+    """``measure()``, or :data:`FALLBACK_RESIDENT` with a warning when it fails on Triton internals that moved
+    (an AttributeError or TypeError: ``_init_handles`` and ``n_regs`` are not public API). The grids built
+    from it stay correct for any count; only the occupancy is then a guess. Compile errors still raise."""
+    try:
+        return measure()
+    except (AttributeError, TypeError) as e:
+        warnings.warn(f"sigmafast: could not read the registers of Triton kernel {name} ({type(e).__name__}: {e}); "
+                      f"assuming {FALLBACK_RESIDENT} programs per SM", RuntimeWarning, stacklevel=2)
+        return FALLBACK_RESIDENT
+
+
+def _compiled_occupancy(kernel, args: tuple, meta: dict, index: int) -> int:
+    compiled = kernel.warmup(*args, grid=(1,), **meta)  # compiles (or finds) the launch's variant, no launch
+    compiled._init_handles()  # loads the binary and sets n_regs, as the tutorial does
+    props = torch.cuda.get_device_properties(index)  # older torch lacks the fields: sm_90's values
+    return occupancy(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps,
+                     getattr(props, "max_threads_per_multi_processor", 2048),
+                     getattr(props, "shared_memory_per_multiprocessor", 233_472))
 
 
 def resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> int:
@@ -88,12 +111,8 @@ def resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> 
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (kernel, index, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(sorted(meta.items())))
     if key not in _RESIDENT:
-        compiled = kernel.warmup(*args, grid=(1,), **meta)  # compiles (or finds) the launch's variant, no launch
-        compiled._init_handles()  # loads the binary and sets n_regs, as the tutorial does
-        props = torch.cuda.get_device_properties(index)  # older torch lacks the fields: sm_90's values
-        _RESIDENT[key] = occupancy(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps,
-                                   getattr(props, "max_threads_per_multi_processor", 2048),
-                                   getattr(props, "shared_memory_per_multiprocessor", 233_472))
+        _RESIDENT[key] = measured_or_fallback(lambda: _compiled_occupancy(kernel, args, meta, index),
+                                              getattr(kernel, "__name__", repr(kernel)))
     return _RESIDENT[key]
 
 

@@ -239,3 +239,23 @@ def test_occupancy_counts_registers_threads_and_shared_memory(regs, shared, warp
     from sigmafast.kernels.utils import occupancy
 
     assert occupancy(regs, shared, warps, max_threads=2048, shared_per_sm=233_472) == want
+
+
+def test_occupancy_falls_back_when_triton_internals_move():
+    """A Triton without ``_init_handles`` / ``n_regs`` (private API) gives a warning and a fixed count, not a
+    failed launch; any other error (a compile error) still raises."""
+    from sigmafast.kernels.utils import FALLBACK_RESIDENT, measured_or_fallback
+
+    assert measured_or_fallback(lambda: 3, "k") == 3
+
+    def moved() -> int:
+        raise AttributeError("'CompiledKernel' object has no attribute 'n_regs'")
+
+    with pytest.warns(RuntimeWarning, match="could not read the registers of Triton kernel k"):
+        assert measured_or_fallback(moved, "k") == FALLBACK_RESIDENT
+
+    def broken() -> int:
+        raise RuntimeError("compilation failed")
+
+    with pytest.raises(RuntimeError, match="compilation failed"):
+        measured_or_fallback(broken, "k")
