@@ -74,8 +74,8 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, rotary,
-                                   sampling, slots, topk)
+    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, lossless,
+                                   rotary, sampling, slots, topk)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -127,6 +127,11 @@ def _cases(dtype: torch.dtype):
               torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :512])
     yield "drafts along the orders", lambda: along.launch(*drafts)
     yield "draft slots", lambda: slots.launch(known, drafts[5], 512)
+    n_acc, rem = torch.randint(0, 257, (8,), generator=g), torch.randint(0, 300, (8,), generator=g)
+    ords = torch.rand(8, 1, 1024, generator=g).argsort(-1)[..., :256][:, 0]
+    yield "lossless residual pick", lambda: lossless.pick_launch(n_acc, rem, ords, ords % 256,
+                                                                 torch.rand(8, 1024, generator=g, dtype=torch.float64))
+    yield "lossless residual splice", lambda: lossless.splice_launch(ords, n_acc, rem, n_acc < rem)
     for D in (64, 128):  # the QKV projection's views (B, O, H, R, D) rotated in place, and an output back
         proj = torch.randn(2, 5, 256, 3 * 12 * D, generator=g).to(dtype)
         qkv = [t.view(2, 5, 256, 12, D).transpose(-3, -2) for t in proj.split(12 * D, dim=-1)]

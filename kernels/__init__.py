@@ -8,16 +8,17 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
-``along``, ``flags``; the module names differ from the functions' so that importing a
-module never rebinds a public name of this package), registered as PyTorch
-custom ops ``torch.ops.sigmafast.*`` by ``ops`` so that ``torch.compile``
-traces through them. ``acceptance_from_hidden`` is an
-extra: acceptance straight from hidden states and the LM-head weight;
+``along``, ``lossless``, ``flags``; the module names differ from the functions'
+so that importing a module never rebinds a public name of this package),
+registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops`` so that
+``torch.compile`` traces through them. ``acceptance_from_hidden`` is an extra:
+acceptance straight from hidden states and the LM-head weight;
 ``add_layer_norm``, ``feed_embedding``, ``rotary_``, ``draft_slots``,
 ``gather_drafts`` and ``commit`` fuse a step's small ops (a residual add and its
 LayerNorm; the input embedding and the first LayerNorm; a layer's RoPE; the
 slots a burst drafts; the drafts read along the orders; the cache and canvas
-writes of a commit); ``flag_nonfinite`` and ``burst_status``
+writes of a commit), as do ``residual_pick`` and ``residual_splice`` (the
+lossless rule's bookkeeping); ``flag_nonfinite`` and ``burst_status``
 fuse a step's checks (a non-finite output; the burst status). The functions below
 pick one per call:
 
@@ -118,6 +119,7 @@ class _Triton(NamedTuple):
     embed: ModuleType
     flags: ModuleType
     layer_norm: ModuleType
+    lossless: ModuleType
     rotary: ModuleType
     sampling: ModuleType
     slots: ModuleType
@@ -127,10 +129,11 @@ def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import accept, along, attention, commit_step, embed, flags, layer_norm, rotary, sampling, slots
+        from . import (accept, along, attention, commit_step, embed, flags, layer_norm, lossless, rotary, sampling,
+                       slots)
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, rotary, sampling, slots)
+    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, lossless, rotary, sampling, slots)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -215,6 +218,24 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Opti
     return reference.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
 
 
+def residual_pick(n, remaining, orders, slots, u_residual, *, backend: Optional[str] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lossless rule's residual draw per row: the (B,) step, its draft's slot, its uniform and whether
+    the row rejected; see the reference."""
+    if _resolve(backend, u_residual) == "triton":
+        return _triton().lossless.residual_pick(n, remaining, orders, slots, u_residual)
+    return reference.residual_pick(n, remaining, orders, slots, u_residual)
+
+
+def residual_splice(tokens, n, r_tok, rejected, *, backend: Optional[str] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lossless commit's (B, R) tokens (the residual token at step n) and (B,) counts; see the
+    reference."""
+    if _resolve(backend, tokens) == "triton":
+        return _triton().lossless.residual_splice(tokens, n, r_tok, rejected)
+    return reference.residual_splice(tokens, n, r_tok, rejected)
+
+
 def draft_slots(known, uniforms, R: int, *, backend: Optional[str] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A burst iteration's R draft slots of a (B, T) known mask: positions, the (B, T) uniforms at them, the
@@ -285,7 +306,9 @@ __all__ = [
     "feed_embedding",
     "flag_nonfinite",
     "gather_drafts",
+    "residual_pick",
     "residual_sample",
+    "residual_splice",
     "rotary_",
     "sample",
     "use_backend",

@@ -19,6 +19,9 @@ op                                 inputs -> outputs
                                    tables, sign -> None; rotates q, k, v in place (RoPE)
 ``sigmafast::draft_slots``         known (B, T), uniforms (B, T), R -> positions, uniforms, used (B, R),
                                    remaining (B,)
+``sigmafast::residual_pick``       n, remaining (B,), orders, slots (B, R), uniforms (B, T)
+                                   -> step, slot, uniform, rejected (B,): the lossless residual draw
+``sigmafast::residual_splice``     tokens (B, R), n, residual token, rejected (B,) -> tokens, n_commit
 ``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
                                    orders (B, O, S) -> tokens, log-probs, uniforms, slots (B, O, S)
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
@@ -48,6 +51,8 @@ from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .along import launch as gather_drafts_launch
 from .slots import launch as draft_slots_launch
+from .lossless import pick_launch as residual_pick_launch
+from .lossless import splice_launch as residual_splice_launch
 from .rotary import launch as rotary_launch
 from .reference import rotary_ as rotary_reference
 from .commit_step import launch as commit_launch
@@ -176,6 +181,29 @@ def _(q, k, v, pos_q, pos_k, cos, sin, sign):
     return None
 
 
+@torch.library.custom_op("sigmafast::residual_pick", mutates_args=())
+def _residual_pick(n: Tensor, remaining: Tensor, orders: Tensor, slots: Tensor,
+                   u_residual: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return residual_pick_launch(n, remaining, orders, slots, u_residual)
+
+
+@_residual_pick.register_fake
+def _(n, remaining, orders, slots, u_residual):
+    B = orders.shape[0]
+    return (orders.new_empty(B), orders.new_empty(B), u_residual.new_empty(B),
+            orders.new_empty(B, dtype=torch.bool))
+
+
+@torch.library.custom_op("sigmafast::residual_splice", mutates_args=())
+def _residual_splice(tokens: Tensor, n: Tensor, r_tok: Tensor, rejected: Tensor) -> tuple[Tensor, Tensor]:
+    return residual_splice_launch(tokens, n, r_tok, rejected)
+
+
+@_residual_splice.register_fake
+def _(tokens, n, r_tok, rejected):
+    return tokens.new_empty(tokens.shape), tokens.new_empty(tokens.shape[0], dtype=torch.int64)
+
+
 @torch.library.custom_op("sigmafast::draft_slots", mutates_args=())
 def _draft_slots(known: Tensor, uniforms: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return draft_slots_launch(known, uniforms, R)
@@ -234,5 +262,5 @@ def _(known, flag):
 
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "decide", "add_layer_norm", "feed_embedding", "rotary_", "draft_slots", "gather_drafts", "commit",
-       "flag_nonfinite", "burst_status")
+       "decide", "add_layer_norm", "feed_embedding", "rotary_", "draft_slots", "gather_drafts", "residual_pick",
+       "residual_splice", "commit", "flag_nonfinite", "burst_status")

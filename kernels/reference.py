@@ -315,6 +315,20 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
             x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
 
 
+def residual_pick(n, remaining, orders, slots, u_residual):
+    """The lossless rule's residual draw of each row: step k = min(n, R - 1) of the (B, R) order, its draft's
+    slot, the (B, T) uniform at its position, and whether the row rejected (n < remaining)."""
+    k = n.clamp(max=orders.shape[1] - 1)[:, None]  # (B, 1)
+    u = u_residual.gather(1, orders.gather(1, k)).squeeze(1)
+    return k.squeeze(1), slots.gather(1, k).squeeze(1), u, n < remaining
+
+
+def residual_splice(tokens, n, r_tok, rejected):
+    """``tokens`` (B, R) with ``r_tok`` at step n (none when n >= R), and the committed counts n + rejected."""
+    at_n = torch.arange(tokens.shape[1], device=n.device)[None, :] == n[:, None]  # (B, R)
+    return torch.where(at_n, r_tok[:, None], tokens), n + rejected.long()
+
+
 def draft_slots(known, uniforms, R: int):
     """A burst iteration's R draft slots of a (B, T) known mask: positions (a row's unknown positions in
     increasing order, then its known ones), the (B, T) uniforms at them, used (slot < the row's unknown

@@ -141,15 +141,19 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
     normalize(max(0, q - p)).
 
     Returns the (B,) residual tokens and the (B,) bool mask of rows that rejected."""
-    R = verified.orders.shape[-1]
-    rows = torch.arange(n.shape[0], device=n.device)
-    k = n.clamp(max=R - 1)[:, None]  # (B, 1) the rejected step (any step where none was: unused)
-    j = verified.orders[:, 0].gather(1, k).squeeze(1)  # (B,) its position
-    p_rows = drafts.logits[rows, along.slot[:, 0].gather(1, k).squeeze(1)]  # (B, V) its draft's logits
-    q_rows = verifier_logits(session, verified, (rows, 0, k.squeeze(1)))
-    tok = kernels.residual_sample(q_rows, p_rows, u_residual.gather(1, j[:, None]).squeeze(1), temperature, top_k,
-                                  backend=_backend(session))
-    return tok, n < remaining
+    # k: the rejected step (the last one where none was: unused), slot: its draft's row, u: its uniform
+    k, slot, u, rejected = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0], u_residual,
+                                                 backend=_backend(session))
+    p_rows = rows_at(drafts.logits, slot)  # (B, V) the draft's logits
+    q_rows = session.head(rows_at(verified.hidden[:, 0], k)) if verified.hidden is not None \
+        else rows_at(verified.logits[:, 0], k)  # (B, V) the verifier's
+    tok = kernels.residual_sample(q_rows, p_rows, u, temperature, top_k, backend=_backend(session))
+    return tok, rejected
+
+
+def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B, R, X) rows of ``x`` at the (B,) steps ``index``: (B, X), one gather."""
+    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
 
 
 def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Optional[int],
@@ -180,9 +184,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
         n = res.n_accept[:, 0]
         r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)
         # at step n: the rejected one, or one past the commit when every step was accepted (never written)
-        at_n = torch.arange(R, device=n.device)[None, :] == n[:, None]
-        new_tok = torch.where(at_n, r_tok[:, None], along.tokens[:, 0])
-        n_commit = n + rejected.long()
+        new_tok, n_commit = kernels.residual_splice(along.tokens[:, 0], n, r_tok, rejected, backend=_backend(session))
     session.commit(verified, choice, n_commit, new_tok)
     return n_commit, n, kernels.burst_status(session.known, bad, backend=backend)  # unknown = remaining - n_commit
 

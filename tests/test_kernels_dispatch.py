@@ -234,6 +234,10 @@ def test_kernels_are_custom_ops():
                     *_dev(torch.randint(0, 7, (2, 5), generator=g), torch.randint(0, 7, (2, 5), generator=g),
                           torch.rand(7, 4, generator=g), torch.rand(7, 4, generator=g)), -1.0),
         "draft_slots": (*_dev(torch.rand(2, 6, generator=g) < 0.5, torch.rand(2, 6, generator=g)), 4),
+        "residual_pick": tuple(_dev(torch.tensor([1, 3]), torch.tensor([2, 3]), torch.tensor([[4, 0, 2], [1, 3, 0]]),
+                                    torch.tensor([[0, 2, 1], [2, 0, 1]]), torch.rand(2, 5, generator=g))),
+        "residual_splice": tuple(_dev(torch.tensor([[4, 0, 2], [1, 3, 0]]), torch.tensor([1, 3]),
+                                      torch.tensor([7, 8]), torch.tensor([True, False]))),
     }
     assert set(samples) == set(ops.OPS)
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
