@@ -1,7 +1,9 @@
 """Engine: compilation on first use, and steady-state decode cost against HF GPT-2 and a plain anchor.
 
 Random-weight models of the ``tiny``, ``small`` and ``gpt2`` presets
-(``SigmaGPTConfig.from_preset``), bf16 on CUDA and float32 on CPU:
+(``SigmaGPTConfig.from_preset``), and of ``small`` and ``gpt2`` with ``rope-v``
+(``small-rope-v``, ``gpt2-rope-v``: autoregressive and burst at B = 1), bf16 on
+CUDA and float32 on CPU:
 
 * ``first-call``: a child process with empty ``TRITON_CACHE_DIR`` and
   ``TORCHINDUCTOR_CACHE_DIR`` builds a ``small`` model and times its first
@@ -70,6 +72,7 @@ VOCAB = 50257 if CUDA or FULL else 512
 PROMPT, NEW = (512, 256) if CUDA else (64, 64) if FULL else (16, 32)
 ROUNDS = 5 if CUDA or FULL else 2
 SHAPES = ["tiny", "small", "gpt2"]
+ROPE_SHAPES = ["small-rope-v", "gpt2-rope-v"]  # sigmafast only (the anchors have no RoPE), B = 1, ar and burst
 BATCHES = [1, 8]
 SAMPLING = dict(temperature=1.0, top_k=None)
 STRATEGIES = {
@@ -94,12 +97,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _skip_shape(shape: str) -> None:
-    if shape == "gpt2" and not (CUDA or FULL):
+    if shape.startswith("gpt2") and not (CUDA or FULL):
         pytest.skip("gpt2 shape on CPU only with SIGMAFAST_BENCH_FULL=1")
 
 
 def _config(shape: str) -> SigmaGPTConfig:
-    return SigmaGPTConfig.from_preset(shape, vocab_size=VOCAB)
+    """A preset, or ``<preset>-<pos_encoding>`` (e.g. ``small-rope-v``)."""
+    preset, _, encoding = shape.partition("-")
+    return SigmaGPTConfig.from_preset(preset, vocab_size=VOCAB, **({"pos_encoding": encoding} if encoding else {}))
 
 
 _MODELS: dict = {}
@@ -284,7 +289,7 @@ def test_first_call(benchmark, tmp_path):
 
 @pytest.mark.parametrize("strategy,shape,batch", [
     pytest.param(s, m, b, id=f"{s}-{m}-B{b}") for s in STRATEGIES for m in SHAPES for b in BATCHES
-])
+] + [pytest.param(s, m, 1, id=f"{s}-{m}-B1") for s in ("ar", "burst") for m in ROPE_SHAPES])
 def test_engine(benchmark, strategy, shape, batch):
     _skip_shape(shape)
     if strategy in COMPILED and not CUDA:
