@@ -113,6 +113,7 @@ def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, las
     B, O, R = orders.shape
     n_layer, _, H, L1, D = k_cache.shape
     keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, values))
+    choice, n = (t if t.is_contiguous() else t.contiguous() for t in (choice, n))  # read at row b
     if n_layer * B * H * R > 0:
         sk, sv, sc = strides(keys), strides(values), strides(k_cache)
         kv_strides = (*sk[:4], *sv[:4], sk[4], sv[4], *sc[:4])

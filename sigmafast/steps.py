@@ -59,23 +59,31 @@ class Along(NamedTuple):
 
 
 class ARPlan(NamedTuple):
-    """The static inputs of autoregressive sampling (built by :func:`ar_plan`)."""
+    """The static inputs of autoregressive sampling (built by :func:`ar_plan`).
 
-    queue: torch.Tensor  # (B, T) position sampled at step s (a row's last one again once it is complete)
-    u: torch.Tensor  # (B, T) float64 uniform of each position
-    live: torch.Tensor  # (B, T) bool: step s samples a token (s < the row's unknown count)
+    ``steps`` packs what step s reads into one int64 column, so that a step reads it with one gather: the
+    position it samples (a row's last one again once the row is complete), 1 if it samples a token (s <
+    the row's unknown count) else 0, the float64 uniform of that position (its bits, :data:`AR_U`), and 0
+    (the index of the only order)."""
+
+    steps: torch.Tensor  # (4, B, T) int64, per step s: position, live, uniform bits, 0
     step: torch.Tensor  # () int64 step counter, advanced in place by :func:`ar_step`
     nonfinite: torch.Tensor  # () bool, set in place by :func:`ar_step` when a used logits row is not finite
 
 
+AR_POS, AR_LIVE, AR_U, AR_ORDER = range(4)  # the columns of ``ARPlan.steps``
+
+
 def ar_plan(visit: torch.Tensor, u: torch.Tensor, n_known: torch.Tensor) -> ARPlan:
     """The plan of rows visiting ``visit`` (B, T) (their ``n_known`` (B,) known positions first, then the
-    unknown ones in visiting order) with uniforms ``u`` (B, T), at step 0."""
+    unknown ones in visiting order) with float64 uniforms ``u`` (B, T) by position, at step 0."""
     B, T = visit.shape
     s = torch.arange(T, device=visit.device)
-    queue = visit.gather(1, (n_known[:, None] + s).clamp(max=T - 1))
-    live = s[None, :] < (T - n_known)[:, None]
-    return ARPlan(queue, u, live, torch.zeros((), dtype=torch.long, device=visit.device),
+    queue = visit.gather(1, (n_known[:, None] + s).clamp(max=T - 1))  # (B, T)
+    live = (s[None, :] < (T - n_known)[:, None]).long()
+    u_bits = u.to(torch.float64).gather(1, queue).view(torch.int64)  # exact: the same 64 bits
+    steps = torch.stack([queue, live, u_bits, torch.zeros_like(queue)])
+    return ARPlan(steps, torch.zeros((), dtype=torch.long, device=visit.device),
                   torch.zeros((), dtype=torch.bool, device=visit.device))
 
 
@@ -191,15 +199,13 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
 
 def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:
     """Sample the next position of every row in its visiting order, in place; advances ``plan.step``."""
-    canvas = session.canvas
-    B = canvas.shape[0]
-    at = plan.step.expand(B, 1)
-    j = plan.queue.gather(1, at)  # (B, 1)
-    active = plan.live.gather(1, at).squeeze(1)  # (B,)
-    verified = session.verify(j[:, None], None)  # feeds the last token only
+    W, B, _ = plan.steps.shape
+    now = plan.steps.gather(2, plan.step.expand(W, B, 1)).squeeze(2)  # (4, B): this step of every row
+    j, n, first = now[AR_POS], now[AR_LIVE], now[AR_ORDER]  # (B,) each, contiguous: position, 0/1, the only order
+    verified = session.verify(j[:, None, None], None)  # feeds the last token only
     logits = verifier_logits(session, verified, (slice(None), 0, 0))  # (B, V) the only step: a view, no gather
-    first = torch.zeros(B, dtype=torch.long, device=canvas.device)  # the only order
-    tok, _ = kernels.sample(logits, plan.u.gather(1, j).squeeze(1), temperature, top_k, backend=_backend(session))
-    session.commit(verified, first, active.long(), tok[:, None])
-    kernels.flag_nonfinite(logits, active, plan.nonfinite, backend=_flags_backend(session))
+    u = now[AR_U].view(torch.float64)
+    tok, _ = kernels.sample(logits, u, temperature, top_k, backend=_backend(session))
+    session.commit(verified, first, n, tok[:, None])
+    kernels.flag_nonfinite(logits, n.bool(), plan.nonfinite, backend=_flags_backend(session))
     plan.step.add_(1)

@@ -27,6 +27,7 @@ CASES = [
     (3, 2, 4, 2, 33, 24, "ragged", "all", "shared"),  # non-power-of-two head dim, n > BLOCK_R
     (1, 4, 3, 3, 16, 32, "full", "mixed", "contiguous"),  # lens + n reaches the cache end
     (2, 2, 2, 2, 8, 16, "ragged", "none", "shared"),  # nothing accepted
+    (2, 3, 5, 4, 17, 64, "ragged", "mixed-strided", "shared"),  # choice and n strided views (a packed plan)
 ]
 
 
@@ -54,6 +55,8 @@ def _state(case, seed: int, dtype: torch.dtype):
         n[0], n[-1] = 0, R
     orders = torch.rand(B, O, T, generator=g).argsort(-1)[..., :R]  # (B, O, R) a view: inner stride 1
     choice = torch.randint(0, O, (B,), generator=g)
+    if n_kind.endswith("strided"):  # every other element of a (B, 2) buffer holding -1 elsewhere
+        n, choice = (torch.stack([t, torch.full_like(t, -1)], dim=1)[:, 0] for t in (n, choice))
     tokens = torch.randint(0, 1000, (B, R), generator=g)
     if layout == "shared":  # views of an (n_layer, B, O, R, 3C) projection buffer, as NeuralSession.verify makes
         qkv = torch.randn(nl, B, O, R, 3 * H * D, generator=g).to(dtype)
