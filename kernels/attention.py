@@ -250,6 +250,7 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
     BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages = config(q.dtype, D)
     unit = stride_unit(D)
     q, k, v, k_cache, v_cache = (_ready(t, unit) for t in (q, k, v, k_cache, v_cache))
+    cache_lens = cache_lens.contiguous()  # read at row b
     dst = _ready(out, unit)
     n_m = triton.cdiv(M, BLOCK_M)
     n_tiles = max(triton.cdiv(L, BLOCK_N), 1)

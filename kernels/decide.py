@@ -89,6 +89,7 @@ def launch(scores, drafts, uniforms, lengths, greedy: bool, paper: bool):
     if B == 0:
         return accept, n_accept, first, best
     scores, drafts, uniforms = (t if t.stride(-1) == 1 else t.contiguous() for t in (scores, drafts, uniforms))
+    lengths = lengths.contiguous()  # read at row b
     _decide_kernel[(B,)](
         scores, drafts, uniforms, lengths, accept.view(torch.uint8), n_accept, first, best,
         *scores.stride()[:2], *drafts.stride()[:2], *uniforms.stride()[:2], O, R, int(paper),

@@ -87,6 +87,7 @@ def launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias,
     N = B * G * S
     if N == 0:
         return x, h
+    last_tok, last_pos = last_tok.contiguous(), last_pos.contiguous()  # read at row b
     if tokens is None:  # S == 1: only the last token is fed
         tokens = orders
     block_n, block_c, num_warps = config(C)

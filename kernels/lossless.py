@@ -80,6 +80,7 @@ def pick_launch(n, remaining, orders, slots, u_residual):
     rejected = torch.empty(B, dtype=torch.bool, device=device)
     if B == 0:
         return k, slot, u, rejected
+    n, remaining = n.contiguous(), remaining.contiguous()  # read at row b
     _residual_pick_kernel[(triton.cdiv(B, BLOCK_B),)](
         n, remaining, orders, slots, u_residual, k, slot, u, rejected.view(torch.uint8),
         B, R, orders.stride(0), slots.stride(0), u_residual.stride(0), TILE_B=BLOCK_B, num_warps=2,
@@ -94,6 +95,7 @@ def splice_launch(tokens, n, r_tok, rejected):
     n_commit = torch.empty(B, dtype=torch.int64, device=tokens.device)
     if B == 0:
         return out, n_commit
+    n, r_tok, rejected = n.contiguous(), r_tok.contiguous(), rejected.contiguous()  # read at row b
     _residual_splice_kernel[(B, triton.cdiv(R, BLOCK_R))](
         tokens, n, r_tok, rejected.view(torch.uint8), out, n_commit, R, tokens.stride(0), TILE_R=BLOCK_R,
         num_warps=4,
