@@ -30,6 +30,7 @@ import triton.language as tl
 BLOCK_N = 16  # rows (tokens) per program
 
 _STRIDES = [f"s_{t}{d}" for t in "qkv" for d in "bht"] + [f"s_{t}{d}" for t in "pr" for d in "bt"]
+_STRIDES += ["s_cos", "s_sin"]
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _rotate_rows(X, s_xb, s_xh, s_xt, i_b, i_t, m_n, b_cos, b_sin, H, D2, o_d):
             do_not_specialize_on_alignment=["POS_Q", "POS_K"])
 def _rotary_kernel(
     Q, K, V, POS_Q, POS_K, COS, SIN,
-    s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_pt, s_rb, s_rt,
+    s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_pt, s_rb, s_rt, s_cos, s_sin,
     N, T, H, D2, sign,
     BLOCK: tl.constexpr, BLOCK_D2: tl.constexpr,
 ):
@@ -66,9 +67,8 @@ def _rotary_kernel(
     b_pk = tl.load(POS_K + i_b * s_rb + i_t * s_rt, mask=m_k, other=0)
     b_pos = tl.where(pid_p == 0, b_pq, b_pk).to(tl.int64)  # (BLOCK,)
     m_a = m_n[:, None] & (o_d < D2)[None, :]
-    p_a = b_pos[:, None] * D2 + o_d[None, :]  # tables (n_pos, D/2), contiguous
-    b_cos = tl.load(COS + p_a, mask=m_a, other=1.0).to(tl.float32)
-    b_sin = tl.load(SIN + p_a, mask=m_a, other=0.0).to(tl.float32) * sign
+    b_cos = tl.load(COS + b_pos[:, None] * s_cos + o_d[None, :], mask=m_a, other=1.0).to(tl.float32)
+    b_sin = tl.load(SIN + b_pos[:, None] * s_sin + o_d[None, :], mask=m_a, other=0.0).to(tl.float32) * sign
     if pid_p == 0:
         _rotate_rows(Q, s_qb, s_qh, s_qt, i_b, i_t, m_n, b_cos, b_sin, H, D2, o_d)
     elif pid_p == 1:
@@ -112,7 +112,7 @@ def launch(q, k, v, pos_q, pos_k, cos, sin, sign: float) -> bool:
     _rotary_kernel[(triton.cdiv(N, BLOCK_N), len(xs))](
         xq, xk, xv, pq, pk, cos, sin,
         *(s for x in (xq, xk, xv) for s in (x.stride(0), x.stride(1), x.stride(2))),
-        pq.stride(0), pq.stride(1), pk.stride(0), pk.stride(1),
+        pq.stride(0), pq.stride(1), pk.stride(0), pk.stride(1), cos.stride(0), sin.stride(0),
         N, T, H, D // 2, float(sign),
         BLOCK=BLOCK_N, BLOCK_D2=triton.next_power_of_2(max(D // 2, 1)), num_warps=4,
     )
@@ -124,9 +124,10 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
     ``pos_k`` (for k and v), times ``sign`` (-1 rotates back).
 
     q, k, v: (..., H, T, D) float32/float16/bfloat16 with the same shape and dtype, D even (k and v may
-    be None); pos_q, pos_k: (..., T) int32/int64 in [0, n_pos); cos, sin: (n_pos, D / 2) contiguous, the
-    angles' cosines and sines. A tensor whose leading dims do not collapse into one stride is rotated
-    out of place and copied back. ``sigmafast::rotary_`` op (no host sync).
+    be None); pos_q, pos_k: (..., T) int32/int64 in [0, n_pos); cos, sin: (n_pos, D / 2) with unit inner
+    stride (e.g. halves of the model's (n_pos, D) tables), the angles' cosines and sines. A tensor whose
+    leading dims do not collapse into one stride is rotated out of place and copied back.
+    ``sigmafast::rotary_`` op (no host sync).
     """
     from .checks import FLOAT_DTYPES
 
@@ -150,10 +151,11 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
             raise ValueError(f"{name} must be an int32/int64 tensor of shape {lead} on {q.device}, got "
                              f"{getattr(p, 'dtype', type(p).__name__)} {tuple(getattr(p, 'shape', ()))}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != D // 2 or not t.is_contiguous() \
+        if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != D // 2 or t.stride(1) != 1 \
                 or not t.is_floating_point() or t.device != q.device:
-            raise ValueError(f"{name} must be a contiguous float (n_pos, D / 2 = {D // 2}) tensor on {q.device}, "
-                             f"got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            raise ValueError(f"{name} must be a float (n_pos, D / 2 = {D // 2}) tensor with unit inner stride on "
+                             f"{q.device}, got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
     if sin.shape != cos.shape:
         raise ValueError(f"sin must have the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)

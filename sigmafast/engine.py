@@ -69,7 +69,7 @@ class FusedRotary(NamedTuple):
 
     in_pos: torch.Tensor  # (..., T) positions of keys and values
     out_pos: torch.Tensor  # (..., T) positions of queries
-    cos: torch.Tensor  # (n_pos, D/2) the model's tables
+    cos: torch.Tensor  # (n_pos, D/2) the model's tables (``SigmaGPT.rope_tables``)
     sin: torch.Tensor
     values: bool  # rope-v
 
@@ -233,7 +233,7 @@ class NeuralSession:
         if not model.config.rotary:
             return None
         if self.backend == "triton" and not traced() and not model.training:
-            return FusedRotary(in_pos, out_pos, model.rope_cos, model.rope_sin, model.config.rotary_values)
+            return FusedRotary(in_pos, out_pos, *model.rope_tables(), model.config.rotary_values)
         return model.rotary(in_pos, out_pos)
 
     def _add_norm(self):

@@ -42,14 +42,14 @@ def model_state_elements(config: SigmaGPTConfig) -> int:
     and (9 + r) C biases and LayerNorm parameters (2 C without biases); an attention-only
     block (r = 0) has no MLP and no second LayerNorm (6 C, or C). The token embedding is
     tied to the LM head (V C); absolute positions are two learned (T + 1, C / 2) tables or one
-    sinusoidal buffer, and RoPE keeps (T + 1, D / 2) cos and sin tables and their (T + 1, D)
-    full-width forms (head dim D); the final LayerNorm has 2 C parameters (C without biases, 1 scalar).
+    sinusoidal buffer, and RoPE keeps two (T + 1, D) tables of cosines and sines (head dim D); the
+    final LayerNorm has 2 C parameters (C without biases, 1 scalar).
     """
     C, n_pos, r = config.n_embd, config.block_size + 1, config.mlp_ratio
     norms = 1 + (r > 0)
     per_layer = (4 + 2 * r) * C * C + ((4 + r + (r > 0) + 2 * norms) * C if config.bias else norms * C)
     absolute = {"learned": n_pos * C, "sinusoidal": n_pos * (C // 2)}.get(config.absolute, 0)
-    positions = absolute + (3 * n_pos * config.head_dim if config.rotary else 0)
+    positions = absolute + (2 * n_pos * config.head_dim if config.rotary else 0)
     final_norm = 1 if config.final_norm == "scalar" else 2 * C if config.bias else C
     return config.vocab_size * C + positions + config.n_layer * per_layer + final_norm
 

@@ -152,10 +152,7 @@ class SigmaGPT(nn.Module):
         elif config.absolute == "sinusoidal":
             self.register_buffer("pe_table", sinusoidal_table(n_pos, half), persistent=False)
         if config.rotary:
-            cos, sin = rotary_tables(n_pos, config.head_dim)  # (n_pos, D/2): the kernels' tables
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-            turn_cos, turn_sin = turn_tables(cos, sin)  # (n_pos, D): Rotary's
+            turn_cos, turn_sin = turn_tables(*rotary_tables(n_pos, config.head_dim))  # (n_pos, D): Rotary's
             self.register_buffer("rope_turn_cos", turn_cos, persistent=False)
             self.register_buffer("rope_turn_sin", turn_sin, persistent=False)
         self.drop = nn.Dropout(config.dropout)
@@ -220,6 +217,12 @@ class SigmaGPT(nn.Module):
         x = self.wte(tokens)
         pe = self.pos_embed(in_pos, out_pos)
         return self.drop(x if pe is None else x + pe)
+
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_pos, D/2) cos and sin of the RoPE angles: views of the (n_pos, D) tables (``[cos, cos]`` and
+        ``[-sin, sin]``), as the in-place kernels take them."""
+        half = self.config.head_dim // 2
+        return self.rope_turn_cos[:, :half], self.rope_turn_sin[:, half:]
 
     def rotary(self, in_pos: torch.Tensor, out_pos: torch.Tensor) -> Optional[Rotary]:
         """(..., T) positions -> the RoPE angles of queries (``out_pos``) and keys (``in_pos``), or None."""

@@ -136,11 +136,16 @@ def accept(session, verified: Verified, along: Along, remaining: torch.Tensor, t
     return kernels.acceptance(verified.logits, *args, backend=_backend(session))
 
 
-def verifier_logits(session, verified: Verified, index: tuple) -> torch.Tensor:
-    """(B, V) verifier logits at ``index`` (one (order, step) per row) of the (B, O, R) steps."""
-    if verified.hidden is not None:
-        return session.head(verified.hidden[index])
-    return verified.logits[index]
+def verifier_logits(session, verified: Verified, step: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, V) verifier logits of order 0 at the (B,) ``step`` of each row (step 0 when None: a view)."""
+    scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
+    rows = scores[:, 0, 0] if step is None else rows_at(scores[:, 0], step)
+    return session.head(rows) if verified.hidden is not None else rows
+
+
+def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B, R, X) rows of ``x`` at the (B,) steps ``index``: (B, X), one gather."""
+    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
 
 
 def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch.Tensor, remaining: torch.Tensor,
@@ -153,15 +158,9 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
     k, slot, u, rejected = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0], u_residual,
                                                  backend=_backend(session))
     p_rows = rows_at(drafts.logits, slot)  # (B, V) the draft's logits
-    q_rows = session.head(rows_at(verified.hidden[:, 0], k)) if verified.hidden is not None \
-        else rows_at(verified.logits[:, 0], k)  # (B, V) the verifier's
+    q_rows = verifier_logits(session, verified, k)  # (B, V) the verifier's
     tok = kernels.residual_sample(q_rows, p_rows, u, temperature, top_k, backend=_backend(session))
     return tok, rejected
-
-
-def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(B, R, X) rows of ``x`` at the (B,) steps ``index``: (B, X), one gather."""
-    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
 
 
 def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Optional[int],
@@ -187,7 +186,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     choice = res.best  # (B,) lossless: 0, the only order
     if rule == "paper":
         n = n_commit = res.n_accept.gather(1, choice[:, None]).squeeze(1)  # (B,)
-        new_tok = along.tokens.gather(1, choice[:, None, None].expand(-1, 1, R)).squeeze(1)  # (B, R)
+        new_tok = rows_at(along.tokens, choice)  # (B, R) the chosen order's tokens
     else:  # lossless: one order, and the residual token at the first rejected step
         n = res.n_accept[:, 0]
         r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)
@@ -203,7 +202,7 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     now = plan.steps.gather(2, plan.step.expand(W, B, 1)).squeeze(2)  # (4, B): this step of every row
     j, n, first = now[AR_POS], now[AR_LIVE], now[AR_ORDER]  # (B,) each, contiguous: position, 0/1, the only order
     verified = session.verify(j[:, None, None], None)  # feeds the last token only
-    logits = verifier_logits(session, verified, (slice(None), 0, 0))  # (B, V) the only step: a view, no gather
+    logits = verifier_logits(session, verified)  # (B, V) the only step: a view, no gather
     u = now[AR_U].view(torch.float64)
     tok, _ = kernels.sample(logits, u, temperature, top_k, backend=_backend(session))
     session.commit(verified, first, n, tok[:, None])

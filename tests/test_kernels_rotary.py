@@ -15,7 +15,7 @@ from helpers import tiny_model, triton_device
 from sigmafast import kernels
 from sigmafast.kernels import reference as ref
 from sigmafast.kernels import rotary
-from sigmafast.positions import rotary_tables
+from sigmafast.positions import rotary_tables, turn_tables
 
 DEVICE = triton_device()
 
@@ -103,6 +103,20 @@ def test_rotary_of_a_layout_that_does_not_collapse_falls_back_in_place():
     torch.testing.assert_close(q, want, rtol=1e-6, atol=1e-6)
 
 
+def test_rotary_reads_the_halves_of_the_models_full_width_tables():
+    """The engine passes views of the model's (n_pos, D) [cos, cos] and [-sin, sin] tables (row stride D):
+    the same rotation as contiguous (n_pos, D / 2) tables."""
+    case = ((2, 3), 2, 7, 16)
+    cos, sin = (t.to(DEVICE) for t in rotary_tables(30, 16))
+    turn_cos, turn_sin = turn_tables(cos, sin)
+    pos_q, pos_k = _positions(case, 30, seed=5)
+    proj, (q, k, v) = _projection(case, torch.float32, seed=6)
+    want, (wq, wk, wv) = _projection(case, torch.float32, seed=6)
+    rotary.rotary_(q, k, v, pos_q, pos_k, turn_cos[:, :8], turn_sin[:, 8:])
+    rotary.rotary_(wq, wk, wv, pos_q, pos_k, cos, sin)
+    assert torch.equal(proj, want)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -114,8 +128,10 @@ def test_rotary_of_a_layout_that_does_not_collapse_falls_back_in_place():
         (dict(pos_k=torch.zeros(2, 5)), "pos_k must be"),
         (dict(cos=torch.zeros(20, 8)), "cos must be"),
         (dict(sin=torch.zeros(21, 4)), "sin must have the shape of cos"),
+        (dict(cos=torch.zeros(4, 20).t()), "cos must be"),
     ],
-    ids=["odd-D", "q-fp64", "k-shape", "v-dtype", "pos_q-shape", "pos_k-float", "cos-width", "sin-rows"],
+    ids=["odd-D", "q-fp64", "k-shape", "v-dtype", "pos_q-shape", "pos_k-float", "cos-width", "sin-rows",
+         "cos-strided"],
 )
 def test_rotary_rejects_bad_input(change, match):
     args = dict(q=torch.zeros(2, 3, 5, 8), k=torch.zeros(2, 3, 5, 8), v=None, pos_q=torch.zeros(2, 5, dtype=torch.long),
