@@ -89,7 +89,7 @@ def _cases(dtype: torch.dtype):
 
     x = torch.randn(N, V, generator=g).to(dtype)
     p = torch.randn(N, V, generator=g).to(dtype)
-    u = torch.rand(N, generator=g)
+    u = torch.rand(N, generator=g, dtype=torch.float64)  # the engine's draws
     d = torch.randint(0, V, (N,), generator=g)
     h = torch.randn(N, C, generator=g).to(dtype)
     w = torch.randn(V, C, generator=g).to(dtype)

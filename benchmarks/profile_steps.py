@@ -18,7 +18,9 @@ capture would run them:
   kernel. On CUDA each counted ATen op is at least one kernel and each custom
   op one to three; for small models these launches, not the arithmetic, set a
   replayed step's time. The Triton launches inside the custom ops are counted
-  too, for an estimate of the kernels; it follows the interpreter's stand-ins
+  too, and so are the kernels their launchers run around them (casts,
+  copies, fills: the innermost ATen ops under each custom op, by the CPU
+  profiler), for an estimate of the kernels; it follows the interpreter's stand-ins
   (KV splits from 32 cache keys, the top-k threshold by ``torch.topk``). It
   defaults to a 512-token vocabulary, a 64-position canvas and 40 remaining
   positions (the interpreter is slow); ``--by-line`` groups the ops by the
@@ -66,10 +68,14 @@ class OpLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+TRITON_MARK = "triton launch"
+NO_OP_WRAPPERS = {"to", "contiguous", "reshape", "flatten", "view_as", "expand_as", "type_as"}  # kernels: children's
+
+
 @contextlib.contextmanager
 def triton_launches() -> Iterator[collections.Counter]:
     """Count the Triton kernels launched inside the block, per kernel name (the interpreter's launcher; on
-    the CPU the custom ops' kernels run there)."""
+    the CPU the custom ops' kernels run there). Each launch is a ``TRITON_MARK`` range for the profiler."""
     from triton.runtime import interpreter
 
     launches: collections.Counter = collections.Counter()
@@ -78,13 +84,45 @@ def triton_launches() -> Iterator[collections.Counter]:
     def run(self, *args, grid, warmup, **kwargs):
         if not warmup:
             launches[self.fn.__name__] += 1
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        with torch.profiler.record_function(TRITON_MARK):
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = run
     try:
         yield launches
     finally:
         interpreter.InterpretedFunction.run = original
+
+
+def hidden_ops(step, steps_run: int) -> list:
+    """(op, the custom op it ran in) of the kernels that the custom ops' launchers run around their Triton
+    kernels (casts, copies, fills), which the dispatch mode sees as part of one op: the innermost ATen ops
+    under a ``sigmafast::`` op (CPU profiler), leaving out allocations, views, no-op casts and the
+    interpreter's own copies inside a Triton launch."""
+    with triton_launches(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps_run):
+            step()
+
+    def launches_kernel(e) -> bool:
+        name = e.name.removeprefix("aten::")
+        return e.name.startswith("aten::") and name not in NO_KERNEL and name not in NO_OP_WRAPPERS
+
+    found = []
+
+    def walk(e, op: str) -> bool:  # whether e or a descendant launches a kernel; records the innermost ones
+        if e.name == TRITON_MARK:
+            return False
+        inner = [walk(c, op) for c in e.cpu_children]
+        if launches_kernel(e) and not any(inner):
+            found.append((e.name.removeprefix("aten::"), f"in {op}"))
+            return True
+        return launches_kernel(e) or any(inner)
+
+    for e in prof.events():
+        if e.name.startswith("sigmafast::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("sigmafast")):
+            for c in e.cpu_children:
+                walk(c, e.name.replace("::", "."))
+    return found
 
 
 def _kernel_table(prof, title: str, steps_run: int, wall_ms: float) -> None:
@@ -97,18 +135,21 @@ def _kernel_table(prof, title: str, steps_run: int, wall_ms: float) -> None:
         print(f"  {e.self_device_time_total / 1e3 / steps_run:8.4f} ms  x{e.count / steps_run:5.1f}  {e.key[:90]}")
 
 
-def _op_table(ops: list, launches: collections.Counter, title: str, steps_run: int, by_line: bool) -> None:
+def _op_table(ops: list, launches: collections.Counter, hidden: list, title: str, steps_run: int,
+              by_line: bool) -> None:
     custom = sum(1 for op, _ in ops if op.startswith("sigmafast."))
-    kernels = len(ops) - custom + sum(launches.values())
+    kernels = len(ops) - custom + sum(launches.values()) + len(hidden)
     print(f"\n== {title}: {len(ops) / steps_run:.0f} ops ({custom / steps_run:.0f} sigmafast custom ops, "
-          f"{sum(launches.values()) / steps_run:.0f} Triton launches in them; about {kernels / steps_run:.0f} "
-          f"kernels) per step")
+          f"{sum(launches.values()) / steps_run:.0f} Triton launches and {len(hidden) / steps_run:.0f} other kernels "
+          f"in them; about {kernels / steps_run:.0f} kernels) per step")
     groups = collections.Counter(ops if by_line else [(op, "") for op, _ in ops])
     for (op, site), n in sorted(groups.items(), key=lambda kv: (kv[0][1], -kv[1])):
         print(f"  {n / steps_run:6.1f}  {op:28s} {site}")
     if by_line:
         for name, n in sorted(launches.items()):
             print(f"  {n / steps_run:6.1f}  {name:28s} (Triton)")
+        for (op, site), n in sorted(collections.Counter(hidden).items(), key=lambda kv: kv[0][1]):
+            print(f"  {n / steps_run:6.1f}  {op:28s} {site}")
 
 
 def main() -> None:
@@ -167,7 +208,7 @@ def main() -> None:
             with OpLog() as log, triton_launches() as launches:
                 for _ in range(steps_run):
                     step()
-            _op_table(log.ops, launches, title, steps_run, args.by_line)
+            _op_table(log.ops, launches, hidden_ops(step, steps_run), title, steps_run, args.by_line)
             return
         torch.cuda.synchronize()
         t0 = time.perf_counter()

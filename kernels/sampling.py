@@ -157,7 +157,7 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
     logp = None if residual else torch.empty(N, dtype=torch.float32, device=q_logits.device)
     if N == 0:
         return tokens, logp
-    u = uniforms.float().contiguous()
+    u = uniforms.contiguous()  # float32 or float64: the kernels round it to float32, as the reference does
     s_x = row_stride(q_logits) // cfg.unit
     mq, sq = chunk_stats(q_logits, kq, temperature, cfg, s_x)  # (N, NC) each
     grid = (triton.cdiv(N, cfg.block_n),)

@@ -66,6 +66,23 @@ def test_sample_greedy_and_uniform_edges():
     assert torch.equal(tokens, want)
 
 
+@pytest.mark.parametrize("op", ["sample", "residual"])
+def test_float64_uniforms_are_rounded_to_float32_as_the_reference_rounds_them(op):
+    """The engine passes its float64 draws (strided views too); the kernels round them to float32 as the
+    reference does. Two equal logits put a CDF boundary at u = 0.5 exactly: 0.5 - 1e-12 is below it in
+    float64 and on it (token 1) once rounded. The residual's q = p is empty, so it samples q."""
+    logits = torch.zeros(8, 2)
+    draws = torch.tensor([0.5 - 1e-12, 0.0, 0.25, 0.5, 0.75, 1 - 1e-12, 0.5 + 1e-12, 0.1], dtype=torch.float64)
+    u = torch.stack([draws, torch.full_like(draws, 0.9)], 1)[:, 0]  # (8,) a strided view
+    if op == "sample":
+        tokens, _ = sample(logits, u, 1.0)
+        want, _ = ref.sample(logits, u, 1.0)
+    else:
+        tokens = residual_sample(logits, logits.clone(), u, 1.0)
+        want = ref.residual_sample(logits, logits.clone(), u, 1.0)
+    assert torch.equal(tokens, want) and tokens[0] == 1 and tokens[1] == 0
+
+
 def test_sample_chi_square():
     """20000 draws from one launch (stride-0 rows) against the exact softmax, with and without top-k."""
     g = torch.Generator().manual_seed(2)
