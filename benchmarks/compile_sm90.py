@@ -75,7 +75,7 @@ def _resources(kernel) -> dict:
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
     from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, lossless,
-                                   rotary, sampling, slots, topk)
+                                   rotary, sampling, slots, topk, visit)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -127,6 +127,7 @@ def _cases(dtype: torch.dtype):
               torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :512])
     yield "drafts along the orders", lambda: along.launch(*drafts)
     yield "draft slots", lambda: slots.launch(known, drafts[5], 512)
+    yield "visiting orders", lambda: visit.launch(torch.rand(2, 5, 1024, generator=g, dtype=torch.float64), known, 512)
     n_acc, rem = torch.randint(0, 257, (8,), generator=g), torch.randint(0, 300, (8,), generator=g)
     ords = torch.rand(8, 1, 1024, generator=g).argsort(-1)[..., :256][:, 0]
     yield "lossless residual pick", lambda: lossless.pick_launch(n_acc, rem, ords, ords % 256,

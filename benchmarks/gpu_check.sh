@@ -3,7 +3,7 @@
 # benchmarks, the vocabulary kernels' tests compiled (persistent streams at the card's occupancy), a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
-# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 660 s, more than one device-tool
+# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 690 s, more than one device-tool
 # call's 600, but they are caps (the third lend's default parts took 145 s in all); in one call the engine part
 # times sigmafast alone (the issue 9 targets); "anchors" (HF transformers and the compiled
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
@@ -35,8 +35,8 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile}; do
     fused) run fused "${GPU_FUSED_LIMIT:-90}" python -m pytest tests/test_kernels_commit.py \
         tests/test_kernels_layer_norm.py tests/test_kernels_decide.py \
         tests/test_kernels_embed.py tests/test_kernels_flags.py tests/test_kernels_along.py tests/test_kernels_slots.py \
-        tests/test_kernels_rotary.py tests/test_kernels_lossless.py tests/test_kernels_row_vectors.py \
-        tests/test_kernels_topk.py \
+        tests/test_kernels_visit.py tests/test_kernels_rotary.py tests/test_kernels_lossless.py \
+        tests/test_kernels_row_vectors.py tests/test_kernels_topk.py \
         -q -p no:cacheprovider -rs ;;
     vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \
         tests/test_kernels_sampling.py -q -p no:cacheprovider -rs ;;
@@ -50,7 +50,8 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile}; do
         "${BENCH[@]}" --benchmark-json="$OUT/engine_burst.json" -k "test_engine and burst- and not inductor" ;;
     kernels) run kernels "${GPU_KERNELS_LIMIT:-110}" python -m pytest benchmarks/bench_kernels.py "${BENCH[@]}" \
         --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
-    profile) run profile "${GPU_PROFILE_LIMIT:-60}" python benchmarks/profile_steps.py --shape gpt2 --batch 1 ;;
+    profile) run profile "${GPU_PROFILE_LIMIT:-90}" bash -c "python benchmarks/profile_steps.py --shape gpt2 --batch 1 \
+        && python benchmarks/profile_steps.py --shape small --batch 1" ;;
     inductor) run inductor "${GPU_INDUCTOR_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/inductor.json" -k "${GPU_INDUCTOR_K:-test_engine and inductor and gpt2}" ;;
     esac

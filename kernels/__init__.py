@@ -8,15 +8,16 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
-``along``, ``lossless``, ``flags``; the module names differ from the functions'
+``visit``, ``along``, ``lossless``, ``flags``; the module names differ from the functions'
 so that importing a module never rebinds a public name of this package),
 registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops`` so that
 ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an extra:
 acceptance straight from hidden states and the LM-head weight;
 ``add_layer_norm``, ``feed_embedding``, ``rotary_``, ``draft_slots``,
-``gather_drafts`` and ``commit`` fuse a step's small ops (a residual add and its
-LayerNorm; the input embedding and the first LayerNorm; a layer's RoPE; the
-slots a burst drafts; the drafts read along the orders; the cache and canvas
+``visit_orders``, ``gather_drafts`` and ``commit`` fuse a step's small ops (a
+residual add and its LayerNorm; the input embedding and the first LayerNorm; a
+layer's RoPE; the slots a burst drafts; its visiting orders; the drafts read
+along the orders; the cache and canvas
 writes of a commit), as do ``residual_pick`` and ``residual_splice`` (the
 lossless rule's bookkeeping); ``flag_nonfinite`` and ``burst_status``
 fuse a step's checks (a non-finite output; the burst status). The functions below
@@ -123,6 +124,7 @@ class _Triton(NamedTuple):
     rotary: ModuleType
     sampling: ModuleType
     slots: ModuleType
+    visit: ModuleType
 
 
 def _triton() -> _Triton:
@@ -130,10 +132,11 @@ def _triton() -> _Triton:
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
         from . import (accept, along, attention, commit_step, embed, flags, layer_norm, lossless, rotary, sampling,
-                       slots)
+                       slots, visit)
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, lossless, rotary, sampling, slots)
+    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, lossless, rotary, sampling, slots,
+                   visit)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -245,6 +248,14 @@ def draft_slots(known, uniforms, R: int, *, backend: Optional[str] = None
     return reference.draft_slots(known, uniforms, R)
 
 
+def visit_orders(keys, known, R: int, *, backend: Optional[str] = None) -> torch.Tensor:
+    """A burst iteration's (B, O, R) visiting orders of (B, O, T) keys and a (B, T) known mask; see the
+    reference."""
+    if _resolve(backend, keys) == "triton":
+        return _triton().visit.visit_orders(keys, known, R)
+    return reference.visit_orders(keys, known, R)
+
+
 def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders, *, backend: Optional[str] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A burst's (B, R) drafts read along (B, O, S) visiting orders: tokens, log-probs, uniforms and
@@ -312,5 +323,6 @@ __all__ = [
     "rotary_",
     "sample",
     "use_backend",
+    "visit_orders",
     "verify_attention",
 ]

@@ -215,7 +215,7 @@ def acceptance(
     drafts: (B, O, R) int64 in visiting order; draft_logp: (B, O, R) their log p
     under the draft; uniforms: (B, O, R); lengths: (B,) valid steps per row.
     Returns :class:`Acceptance` (logq (B, O, R), float32 for 16-bit logits, else in their dtype; accept,
-    n_accept, best, first_reject), with the reference's semantics.
+    n_accept, best, first_reject, n_best), with the reference's semantics.
     """
     check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     check_block_v(block_v)

@@ -78,18 +78,18 @@ def _commit_kv_kernel(
         tl.store(VC + o_c, b_v.to(VC.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_cb", "s_mb", "R"],
+@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_to", "s_cb", "s_mb", "R"],
             do_not_specialize_on_alignment=["ORDERS", "CHOICE", "N", "TOKENS", "LAST_TOK", "LAST_POS", "LENS"])
 def _commit_state_kernel(
     ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS,
-    s_ob, s_oo, s_tb, s_cb, s_mb, R,
+    s_ob, s_oo, s_tb, s_to, s_cb, s_mb, R,
     BLOCK: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_o = tl.load(CHOICE + i_b).to(tl.int64)
     n = tl.minimum(tl.load(N + i_b).to(tl.int64), R)
     p_o = ORDERS + i_b * s_ob + i_o * s_oo  # the chosen order's positions (inner stride 1)
-    p_t = TOKENS + i_b * s_tb
+    p_t = TOKENS + i_b * s_tb + i_o * s_to  # the chosen order's tokens (s_to = 0: one row of tokens)
     for r0 in range(0, n, BLOCK):
         o_r = r0 + tl.arange(0, BLOCK).to(tl.int64)
         m_r = o_r < n
@@ -124,11 +124,12 @@ def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, las
         )
     orders = orders if orders.stride(-1) == 1 else orders.contiguous()
     tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()
+    tokens = tokens[:, None].expand(B, O, R) if tokens.ndim == 2 else tokens  # (B, O, R), stride 0 or not
     if B * R > 0:
         mask = known.view(torch.uint8)
         _commit_state_kernel[(B,)](
             orders, choice, n, tokens, canvas, mask, last_tok, last_pos, lens,
-            *strides(orders)[:2], strides(tokens)[0], strides(canvas)[0], strides(mask)[0], R,
+            *strides(orders)[:2], *strides(tokens)[:2], strides(canvas)[0], strides(mask)[0], R,
             BLOCK=STATE_BLOCK, num_warps=1,
         )
 
@@ -137,7 +138,8 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
 
     orders: (B, O, R) int64 positions; choice, n: (B,) int64 (0 <= n <= R); tokens: (B, R) int64, the
-    chosen order's tokens by step; keys, values: (n_layer, B, O, H, R, D); canvas: (B, T) int64;
+    chosen order's tokens by step, or (B, O, R), every order's (order ``choice[b]`` is read); keys,
+    values: (n_layer, B, O, H, R, D); canvas: (B, T) int64;
     known: (B, T) bool; last_tok, last_pos, lens: (B,) int64; k_cache, v_cache: (n_layer, B, H, L + 1, D),
     valid up to ``lens``, with a scratch slot L. Every size and stride is checked; the values are not
     (no host read): ``lens[b] + n[b] <= L`` is the caller's contract.
@@ -146,9 +148,10 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
         raise ValueError(f"orders must be a (B, O, R) tensor, got {getattr(orders, 'shape', type(orders))}")
     B, O, R = orders.shape
     device = orders.device
+    tokens_shape = (B, O, R) if isinstance(tokens, torch.Tensor) and tokens.ndim == 3 else (B, R)
     for name, t, shape in (("orders", orders, (B, O, R)), ("choice", choice, (B,)), ("n", n, (B,)),
-                           ("tokens", tokens, (B, R)), ("last_tok", last_tok, (B,)), ("last_pos", last_pos, (B,)),
-                           ("lens", lens, (B,))):
+                           ("tokens", tokens, tokens_shape), ("last_tok", last_tok, (B,)),
+                           ("last_pos", last_pos, (B,)), ("lens", lens, (B,))):
         check_int(name, t, shape, device)
     for name, t in (("orders", orders), ("tokens", tokens), ("last_tok", last_tok), ("last_pos", last_pos),
                     ("lens", lens)):

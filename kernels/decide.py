@@ -33,9 +33,10 @@ _STRIDES = ["s_sb", "s_so", "s_db", "s_do", "s_ub", "s_uo"]
 
 
 @triton.jit(do_not_specialize=_STRIDES + ["O", "R", "paper"],
-            do_not_specialize_on_alignment=["SCORE", "DRAFT", "U", "LENS", "ACCEPT", "N_ACC", "FIRST", "BEST"])
+            do_not_specialize_on_alignment=["SCORE", "DRAFT", "U", "LENS", "ACCEPT", "N_ACC", "FIRST", "BEST",
+                                            "N_BEST"])
 def _decide_kernel(
-    SCORE, DRAFT, U, LENS, ACCEPT, N_ACC, FIRST, BEST,
+    SCORE, DRAFT, U, LENS, ACCEPT, N_ACC, FIRST, BEST, N_BEST,
     s_sb, s_so, s_db, s_do, s_ub, s_uo, O, R, paper,
     GREEDY: tl.constexpr, TILE_O: tl.constexpr, TILE_R: tl.constexpr,
 ):
@@ -76,26 +77,28 @@ def _decide_kernel(
         best_o = tl.where(better, arg, best_o)
         best_n = tl.where(better, top, best_n)
     tl.store(BEST + i_b, best_o.to(tl.int64))
+    tl.store(N_BEST + i_b, best_n.to(tl.int64))
 
 
 def launch(scores, drafts, uniforms, lengths, greedy: bool, paper: bool):
-    """Launch the kernel (no checks): (accept (B, O, R) bool, n_accept, first_reject (B, O), best (B,))."""
+    """Launch the kernel (no checks): (accept (B, O, R) bool, n_accept, first_reject (B, O), best, n_best (B,))."""
     B, O, R = drafts.shape
     dev = drafts.device
     accept = torch.empty((B, O, R), dtype=torch.bool, device=dev)
     n_accept = torch.empty((B, O), dtype=torch.int64, device=dev)
     first = torch.empty((B, O), dtype=torch.int64, device=dev)
     best = torch.empty((B,), dtype=torch.int64, device=dev)
+    n_best = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
-        return accept, n_accept, first, best
+        return accept, n_accept, first, best, n_best
     scores, drafts, uniforms = (t if t.stride(-1) == 1 else t.contiguous() for t in (scores, drafts, uniforms))
     lengths = lengths.contiguous()  # read at row b
     _decide_kernel[(B,)](
-        scores, drafts, uniforms, lengths, accept.view(torch.uint8), n_accept, first, best,
+        scores, drafts, uniforms, lengths, accept.view(torch.uint8), n_accept, first, best, n_best,
         *scores.stride()[:2], *drafts.stride()[:2], *uniforms.stride()[:2], O, R, int(paper),
         GREEDY=greedy, TILE_O=BLOCK_O, TILE_R=BLOCK_R, num_warps=8,
     )
-    return accept, n_accept, first, best
+    return accept, n_accept, first, best, n_best
 
 
 def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule="paper") -> Acceptance:
@@ -113,6 +116,6 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
     else:
         logq = scores
         test = torch.exp(logq - draft_logp.to(logq.dtype))  # the reference's ratio, bit for bit
-    accept, n_accept, first, best = torch.ops.sigmafast.decide(test, drafts, uniforms, lengths, greedy,
-                                                               rule == "paper")
-    return Acceptance(logq, accept, n_accept, best, first)
+    accept, n_accept, first, best, n_best = torch.ops.sigmafast.decide(test, drafts, uniforms, lengths, greedy,
+                                                                       rule == "paper")
+    return Acceptance(logq, accept, n_accept, best, first, n_best)

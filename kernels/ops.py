@@ -11,7 +11,7 @@ op                                 inputs -> outputs
 ``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, float32 log-probs (N,)
 ``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
 ``sigmafast::decide``              q/p ratios (or argmax), drafts, uniforms (B, O, R), lengths (B,)
-                                   -> accept (B, O, R), n_accept, first_reject (B, O), best (B,)
+                                   -> accept (B, O, R), n_accept, first_reject (B, O), best, n_best (B,)
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
                                    weight, bias -> x, LayerNorm(x) (B, G, S, C)
@@ -19,6 +19,7 @@ op                                 inputs -> outputs
                                    tables, sign -> None; rotates q, k, v in place (RoPE)
 ``sigmafast::draft_slots``         known (B, T), uniforms (B, T), R -> positions, uniforms, used (B, R),
                                    remaining (B,)
+``sigmafast::visit_orders``        keys (B, O, T), known (B, T), R -> orders (B, O, R)
 ``sigmafast::residual_pick``       n, remaining (B,), orders, slots (B, R), uniforms (B, T)
                                    -> step, slot, uniform, rejected (B,): the lossless residual draw
 ``sigmafast::residual_splice``     tokens (B, R), n, residual token, rejected (B,) -> tokens, n_commit
@@ -51,6 +52,7 @@ from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .along import launch as gather_drafts_launch
 from .slots import launch as draft_slots_launch
+from .visit import launch as visit_orders_launch
 from .lossless import pick_launch as residual_pick_launch
 from .lossless import splice_launch as residual_splice_launch
 from .rotary import launch as rotary_launch
@@ -134,7 +136,7 @@ def _(q_logits, p_logits, uniforms, temperature, top_k=None, block_v=None):
 
 @torch.library.custom_op("sigmafast::decide", mutates_args=())
 def _decide(test: Tensor, drafts: Tensor, uniforms: Tensor, lengths: Tensor, greedy: bool,
-            paper: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            paper: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return decide_launch(test, drafts, uniforms, lengths, greedy, paper)
 
 
@@ -142,7 +144,8 @@ def _decide(test: Tensor, drafts: Tensor, uniforms: Tensor, lengths: Tensor, gre
 def _(test, drafts, uniforms, lengths, greedy, paper):
     B, O, R = drafts.shape
     return (drafts.new_empty((B, O, R), dtype=torch.bool), drafts.new_empty((B, O), dtype=torch.int64),
-            drafts.new_empty((B, O), dtype=torch.int64), drafts.new_empty((B,), dtype=torch.int64))
+            drafts.new_empty((B, O), dtype=torch.int64), drafts.new_empty((B,), dtype=torch.int64),
+            drafts.new_empty((B,), dtype=torch.int64))
 
 
 @torch.library.custom_op("sigmafast::add_layer_norm", mutates_args=())
@@ -214,6 +217,16 @@ def _(known, uniforms, R):
     B = known.shape[0]
     return (known.new_empty((B, R), dtype=torch.int64), uniforms.new_empty((B, R)),
             known.new_empty((B, R)), known.new_empty((B,), dtype=torch.int64))
+
+
+@torch.library.custom_op("sigmafast::visit_orders", mutates_args=())
+def _visit_orders(keys: Tensor, known: Tensor, R: int) -> Tensor:
+    return visit_orders_launch(keys, known, R)
+
+
+@_visit_orders.register_fake
+def _(keys, known, R):
+    return keys.new_empty((*keys.shape[:2], R), dtype=torch.int64)
 
 
 @torch.library.custom_op("sigmafast::gather_drafts", mutates_args=())

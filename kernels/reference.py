@@ -139,6 +139,7 @@ class Acceptance(NamedTuple):
     n_accept: torch.Tensor  # (B, O) int64 accepted prefix length, <= lengths
     best: torch.Tensor  # (B,) int64 order with the longest prefix (first on ties)
     first_reject: torch.Tensor  # (B, O) int64 index of the first rejection, == lengths if none
+    n_best: torch.Tensor  # (B,) int64 the best order's accepted prefix length
 
 
 def acceptance(
@@ -190,7 +191,7 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
     prefix = (ok & valid).long().cumprod(-1)
     n_accept = prefix.sum(-1)  # (B, O)
     best = n_accept.argmax(-1)
-    return Acceptance(logq, ok, n_accept, best, n_accept.clone())
+    return Acceptance(logq, ok, n_accept, best, n_accept.clone(), n_accept.amax(-1))
 
 
 def chosen_order(orders: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
@@ -226,12 +227,14 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
 
     orders: (B, O, R) positions; choice, n: (B,) (0 <= n <= R); tokens: (B, R), the chosen order's
-    tokens by step; keys, values: (n_layer, B, O, H, R, D) the verification's inputs. Writes the tokens
+    tokens by step, or (B, O, R), every order's; keys, values: (n_layer, B, O, H, R, D) the verification's inputs. Writes the tokens
     into canvas (B, T) and known, the keys and values after ``lens`` into the caches (n_layer, B, H,
     L + 1, D), advances ``lens`` and sets last_tok, last_pos (B,) to step ``n[b] - 1`` where n[b] > 0.
     """
     B, O, R = orders.shape
     chosen = chosen_order(orders, choice)  # (B, R)
+    if tokens.ndim == 3:
+        tokens = chosen_order(tokens, choice)
     write_canvas(canvas, known, chosen, n, tokens)
     if O == 1:
         k, v = keys[:, :, 0], values[:, :, 0]  # (n_layer, B, H, R, D) views
@@ -337,6 +340,12 @@ def draft_slots(known, uniforms, R: int):
     remaining = (~known).sum(1)  # (B,)
     used = torch.arange(R, device=known.device)[None, :] < remaining[:, None]
     return positions, uniforms.gather(1, positions), used, remaining
+
+
+def visit_orders(keys, known, R: int):
+    """The first R steps of a burst iteration's (B, O, T) visiting orders: each order's unknown positions by
+    increasing key (ties by position), then the row's known positions in increasing order."""
+    return keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]  # keys in [0, 1)
 
 
 def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders):

@@ -115,11 +115,6 @@ def draft(session, slots: Slots, temperature: float, top_k: Optional[int]) -> Dr
     return Drafts(slots.positions, logits, tok.view(B, R), logp.view(B, R))
 
 
-def orders_of(keys: torch.Tensor, known: torch.Tensor, R: int) -> torch.Tensor:
-    """(B, O, R) visiting orders: the remaining positions by increasing key, then known ones."""
-    return keys.masked_fill(known[:, None, :], 2.0).argsort(dim=-1, stable=True)[..., :R]
-
-
 def along_orders(session, drafts: Drafts, u_accept: torch.Tensor, orders: torch.Tensor) -> Along:
     """The drafts and the (B, T) acceptance uniforms read along the (B, O, R) ``orders``."""
     return Along(*kernels.gather_drafts(drafts.positions, drafts.tokens, drafts.logp, session.canvas, session.known,
@@ -174,7 +169,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     slots = Slots(*kernels.draft_slots(session.known, d.u_draft, R, backend=_backend(session)))
     remaining, used = slots.remaining, slots.used  # (B,), (B, R)
     drafts = draft(session, slots, temperature, top_k)
-    orders = orders_of(d.keys, session.known, R)  # (B, O, R)
+    orders = kernels.visit_orders(d.keys, session.known, R, backend=_backend(session))  # (B, O, R)
     along = along_orders(session, drafts, d.u_accept, orders)
     verified = session.verify(orders, along.tokens)
     scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
@@ -185,8 +180,8 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     res = accept(session, verified, along, remaining, temperature, top_k, rule)
     choice = res.best  # (B,) lossless: 0, the only order
     if rule == "paper":
-        n = n_commit = res.n_accept.gather(1, choice[:, None]).squeeze(1)  # (B,)
-        new_tok = rows_at(along.tokens, choice)  # (B, R) the chosen order's tokens
+        n = n_commit = res.n_best  # (B,)
+        new_tok = along.tokens  # (B, O, R): the commit reads the chosen order's
     else:  # lossless: one order, and the residual token at the first rejected step
         n = res.n_accept[:, 0]
         r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)

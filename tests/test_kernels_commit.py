@@ -100,6 +100,25 @@ def test_commit_matches_reference(case, dtype):
         assert torch.equal(got["last_tok"][~moved], before["last_tok"][~moved])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] > 1], ids=_ids)
+def test_commit_reads_the_chosen_orders_tokens_from_every_orders(case):
+    """(B, O, R) tokens (the paper rule passes every order's): row b commits those of order ``choice[b]``,
+    as with the chosen (B, R) rows; also from a strided view."""
+    args, state = _state(case, 0, torch.float32)
+    orders, choice, n, _, keys, values = args
+    B, O, R = orders.shape
+    g = torch.Generator().manual_seed(5)
+    every = torch.randint(0, 1000, (B, O, 2 * R), generator=g).to(DEVICE)[..., ::2]  # (B, O, R) strided
+    chosen = every.gather(1, choice[:, None, None].expand(B, 1, R)).squeeze(1)
+    want = _copy(state)
+    ref.commit(orders, choice, n, chosen, keys, values, **want)
+    for impl in (ref.commit, commit_step.commit):
+        got = _copy(state)
+        impl(orders, choice, n, every, keys, values, **got)
+        for name in ("canvas", "known", "last_tok", "last_pos", "lens"):
+            assert torch.equal(got[name].cpu(), want[name].cpu()), name
+
+
 def test_commit_writes_the_chosen_rows_where_the_reference_says():
     """An independent check of the reference itself on a hand-made case: row 0 keeps 2 steps of order 1,
     row 1 none."""
@@ -127,6 +146,7 @@ def test_commit_writes_the_chosen_rows_where_the_reference_says():
     (dict(choice=torch.zeros(3, dtype=torch.long)), "choice must be"),
     (dict(n=torch.zeros(2)), "n must be"),
     (dict(tokens=torch.zeros(2, 4, dtype=torch.long)), "tokens must be"),
+    (dict(tokens=torch.zeros(2, 3, 3, dtype=torch.long)), "tokens must be"),
     (dict(canvas=torch.zeros(2, 9, dtype=torch.int32)), "canvas must be"),
     (dict(known=torch.zeros(2, 9)), "known must be"),
     (dict(keys=torch.zeros(1, 2, 2, 1, 4, 8)), "keys must be"),

@@ -162,7 +162,7 @@ def test_acceptance_matches_reference(case, rule):
         torch.testing.assert_close(got.logq, exact, rtol=0, atol=1e-5)
     else:
         assert torch.all(got.logq == 0)
-    for name in ("accept", "n_accept", "best", "first_reject"):
+    for name in ("accept", "n_accept", "best", "first_reject", "n_best"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     if R > 1 and T > 0:
         assert 0 < got.accept.float().mean() < 1  # both outcomes occur
@@ -200,7 +200,7 @@ def test_acceptance_from_hidden(temperature, top_k, rule, scoring, chunk, monkey
     if temperature > 0:
         exact = ref.log_probs(logits, temperature, top_k).gather(-1, drafts[..., None]).squeeze(-1)
         torch.testing.assert_close(got.logq, exact, rtol=0, atol=1e-5)
-    for name in ("accept", "n_accept", "best", "first_reject"):
+    for name in ("accept", "n_accept", "best", "first_reject", "n_best"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     with pytest.raises(ValueError, match="weight must be"):
         acceptance_from_hidden(hidden, weight[:, :8], drafts, draft_logp, u, lengths, temperature, top_k, rule)
@@ -281,7 +281,7 @@ def test_acceptance_of_16_bit_logits_scores_in_float32(dtype, monkeypatch):
     exact = ref.log_probs(logits.float(), 0.9, None).gather(-1, drafts[..., None]).squeeze(-1)
     torch.testing.assert_close(want.logq, exact, rtol=0, atol=0)
     torch.testing.assert_close(got.logq, exact, rtol=0, atol=1e-5)
-    for name in ("accept", "n_accept", "best", "first_reject"):
+    for name in ("accept", "n_accept", "best", "first_reject", "n_best"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 

@@ -87,8 +87,11 @@ class OracleSession:
         return Verified(orders, None, self.oracle._to_logits(p), None, None)
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Write the first ``n[b]`` tokens (B, R) of order ``choice[b]``: the conditionals read the canvas."""
+        """Write the first ``n[b]`` tokens of order ``choice[b]`` ((B, R), or (B, O, R): every order's) into the
+        canvas: the conditionals read it."""
         chosen = kernels.reference.chosen_order(verified.orders, choice)
+        if tokens.ndim == 3:
+            tokens = kernels.reference.chosen_order(tokens, choice)
         kernels.reference.write_canvas(self.canvas, self.known, chosen, n, tokens)
 
 
