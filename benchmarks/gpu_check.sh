@@ -3,7 +3,7 @@
 # benchmarks, the vocabulary kernels' tests compiled (persistent streams at the card's occupancy), a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
-# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 690 s, more than one device-tool
+# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 930 s, more than one device-tool
 # call's 600, but they are caps (the third lend's default parts took 145 s in all); in one call the engine part
 # times sigmafast alone (the issue 9 targets); "anchors" (HF transformers and the compiled
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
@@ -11,7 +11,11 @@
 # pytest-benchmark writes its JSON only when a session ends, but $OUT/cases.jsonl (SIGMAFAST_BENCH_LOG) gets
 # each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
 # module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
-# ids, never "engine".
+# ids, never "engine". The "train" part times `scripts/train.py --task owt` at GPT-2 size (tokens/s and MFU,
+# eager and --compile) on a GPT-2 BPE token file that cannot be downloaded there: prepare it here with
+#   TIKTOKEN_CACHE_DIR=../shared/tiktoken python scripts/prepare_owt.py --from-text \
+#       ../shared/data/tinyshakespeare.txt --data-dir data/gpucheck/owt
+# and pass carry=["data/gpucheck"] to the device tool (0.7 MB; data/ is git-ignored).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -29,7 +33,7 @@ run() {  # name, limit in seconds, command...
     tail -n "${GPU_TAIL:-12}" "$OUT/$name.log"
 }
 BENCH=(--benchmark-only -q -p no:cacheprovider --benchmark-columns=median,rounds)
-for part in ${GPU_PARTS:-tests fused engine kernels vocab profile}; do
+for part in ${GPU_PARTS:-tests fused engine kernels vocab profile train}; do
     case $part in
     tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
     fused) run fused "${GPU_FUSED_LIMIT:-90}" python -m pytest tests/test_kernels_commit.py \
@@ -52,6 +56,13 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile}; do
         --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
     profile) run profile "${GPU_PROFILE_LIMIT:-90}" bash -c "python benchmarks/profile_steps.py --shape gpt2 --batch 1 \
         && python benchmarks/profile_steps.py --shape small --batch 1" ;;
+    train) if [ -f data/gpucheck/owt/train.bin ]; then  # carried: see the header
+        run train "${GPU_TRAIN_LIMIT:-240}" bash -c "for c in --no-compile --compile; do python scripts/train.py \
+            --task owt --data-dir data/gpucheck/owt --preset gpt2 --max-iters 40 --batch-size 16 --grad-accum 1 \
+            --eval-interval 1000 --eval-iters 2 --log-interval 10 --num-eval-samples 1 --out-dir \$(mktemp -d) \$c \
+            || exit 1; done"
+    else echo "== train: skipped, no data/gpucheck/owt (prepare it and carry data/gpucheck)" | tee -a "$OUT/summary.txt"
+    fi ;;
     inductor) run inductor "${GPU_INDUCTOR_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$OUT/inductor.json" -k "${GPU_INDUCTOR_K:-test_engine and inductor and gpt2}" ;;
     esac
