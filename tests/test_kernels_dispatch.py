@@ -273,7 +273,8 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
                                                rule="lossless", backend="triton", scoring="matmul")
         r_tok = kernels.residual_sample(hidden[:, 0, 0] @ weight.T, p_logits[:, 0], ur, 0.9, backend="triton")
         slots = kernels.draft_slots(known, u_pos, R, backend="triton")
-        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots
+        orders = kernels.visit_orders(ua.new_ones(B, O, L) - u_pos[:, None], known, R, backend="triton")
+        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots, orders
 
     traced = set()
 
@@ -289,7 +290,7 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     ops = {f"sigmafast.{name}" for name in
            ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample",
-            "draft_slots")}
+            "draft_slots", "visit_orders")}
     assert ops <= traced, f"not in the graph: {ops - traced}"
 
 
