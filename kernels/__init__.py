@@ -8,20 +8,19 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
-``visit``, ``along``, ``lossless``, ``flags``; the module names differ from the functions'
-so that importing a module never rebinds a public name of this package),
-registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops`` so that
-``torch.compile`` traces through them. ``acceptance_from_hidden`` is an extra:
-acceptance straight from hidden states and the LM-head weight;
+``visit``, ``along``, ``lossless``, ``flags``; the module names differ from the
+functions' so that importing a module never rebinds a public name of this
+package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
+so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
+extra: acceptance straight from hidden states and the LM-head weight;
 ``add_layer_norm``, ``feed_embedding``, ``rotary_``, ``draft_slots``,
 ``visit_orders``, ``gather_drafts`` and ``commit`` fuse a step's small ops (a
 residual add and its LayerNorm; the input embedding and the first LayerNorm; a
 layer's RoPE; the slots a burst drafts; its visiting orders; the drafts read
-along the orders; the cache and canvas
-writes of a commit), as do ``residual_pick`` and ``residual_splice`` (the
-lossless rule's bookkeeping); ``flag_nonfinite`` and ``burst_status``
-fuse a step's checks (a non-finite output; the burst status). The functions below
-pick one per call:
+along the orders; the cache and canvas writes of a commit), as do
+``residual_pick`` and ``residual_splice`` (the lossless rule's bookkeeping);
+``flag_nonfinite`` and ``burst_status`` fuse a step's checks (a non-finite
+output; the burst status). The functions below pick one per call:
 
 * ``backend="triton"`` or ``"reference"`` (keyword) is used as is; pass it in
   compiled code, where the environment and context reads below are not
@@ -323,6 +322,6 @@ __all__ = [
     "rotary_",
     "sample",
     "use_backend",
-    "visit_orders",
     "verify_attention",
+    "visit_orders",
 ]

@@ -227,9 +227,10 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
 
     orders: (B, O, R) positions; choice, n: (B,) (0 <= n <= R); tokens: (B, R), the chosen order's
-    tokens by step, or (B, O, R), every order's; keys, values: (n_layer, B, O, H, R, D) the verification's inputs. Writes the tokens
-    into canvas (B, T) and known, the keys and values after ``lens`` into the caches (n_layer, B, H,
-    L + 1, D), advances ``lens`` and sets last_tok, last_pos (B,) to step ``n[b] - 1`` where n[b] > 0.
+    tokens by step, or (B, O, R), every order's; keys, values: (n_layer, B, O, H, R, D) the
+    verification's inputs. Writes the tokens into canvas (B, T) and known, the keys and values after
+    ``lens`` into the caches (n_layer, B, H, L + 1, D), advances ``lens`` and sets last_tok, last_pos (B,)
+    to step ``n[b] - 1`` where n[b] > 0.
     """
     B, O, R = orders.shape
     chosen = chosen_order(orders, choice)  # (B, R)
