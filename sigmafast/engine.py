@@ -127,7 +127,8 @@ class NeuralConditionals:
 
 
 class NeuralSession:
-    """Static state of one sampling call: canvas, known mask, KV cache and last token."""
+    """Static state of one sampling call: canvas, known mask, KV cache, last token and the burst steps'
+    non-finite flag."""
 
     def __init__(self, model, batch_size: int, seq_len: int, backend: str, head_align: Optional[int] = None) -> None:
         cfg = model.config
@@ -142,6 +143,7 @@ class NeuralSession:
         self.last_tok = torch.full((batch_size,), cfg.bos_token_id, dtype=torch.long, device=device)
         self.last_pos = torch.full((batch_size,), cfg.start_pos, dtype=torch.long, device=device)
         self.n_known = torch.zeros(batch_size, dtype=torch.long, device=device)  # the prefill's known counts
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)  # set by a burst step (sticky)
         self.vocab_size = V = cfg.vocab_size
         weight = model.lm_head.weight
         align = head_align or (HEAD_ALIGN if device.type == "cuda" else 1)
@@ -176,6 +178,7 @@ class NeuralSession:
         self.last_tok.fill_(cfg.bos_token_id)
         self.last_pos.fill_(cfg.start_pos)
         self.n_known.zero_()
+        self.nonfinite.zero_()
         self.n_known[:n] = known.sum(1)
         return int(self.n_known.max())
 

@@ -164,7 +164,8 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
 
     Returns the committed counts (B,), the chosen orders' accepted draft lengths (B,) and
     ``status`` (3,) int64: the largest remaining count, the number of unfinished rows after it,
-    and 1 when a draft or verifier output used by this iteration is not finite (else 0).
+    and 1 when a draft or verifier output used by this iteration, or by an earlier one of the session,
+    is not finite (else 0: ``session.nonfinite`` is sticky, so no step zeroes a flag).
     """
     slots = Slots(*kernels.draft_slots(session.known, d.u_draft, R, backend=_backend(session)))
     remaining, used = slots.remaining, slots.used  # (B,), (B, R)
@@ -173,7 +174,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     along = along_orders(session, drafts, d.u_accept, orders)
     verified = session.verify(orders, along.tokens)
     scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
-    bad = torch.zeros((), dtype=torch.bool, device=remaining.device)
+    bad = session.nonfinite  # () bool, sticky: the loop stops at the first status that reports it
     backend = _flags_backend(session)
     kernels.flag_nonfinite(drafts.logits, used, bad, backend=backend)
     kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)

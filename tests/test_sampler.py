@@ -368,6 +368,28 @@ def test_burst_step_flags_non_finite_outputs(model, nan_model):
     assert flags == [0, 1]
 
 
+def test_the_non_finite_flag_is_sticky_within_a_call_and_cleared_by_the_next(model):
+    """A burst step never zeroes the session's flag (the loop stops at the first status that reports it);
+    loading the session for a call clears it, so a finite call after a broken one reports 0."""
+    from sigmafast import steps
+    from sigmafast.engine import NeuralSession
+    from sigmafast.request import draw_burst
+
+    session = NeuralSession(model, 2, T, "reference")
+    empty = (torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.bool))
+    statuses = []
+    for stale in (True, False):
+        session.prefill(*empty)
+        session.nonfinite.fill_(stale)  # as a broken step of this call would have left it
+        with torch.no_grad():
+            _, _, status = steps.burst_step(session, draw_burst(torch.Generator().manual_seed(0), 2, 1, T, "cpu"),
+                                            T, 1.0, None, "lossless")
+        statuses.append(int(status[2]))
+    session.nonfinite.fill_(True)
+    session.prefill(*empty)
+    assert statuses == [1, 0] and not session.nonfinite
+
+
 def test_too_many_orders_fail_before_allocating(model):
     """10**9 orders x 8 positions would need terabytes (float64 keys alone: 64 GB)."""
     with pytest.raises(ValueError, match=r"num_orders=1000000000 .* GiB .* reduce num_orders"):

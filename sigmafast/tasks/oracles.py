@@ -67,6 +67,7 @@ class OracleSession:
         self.oracle = oracle
         self.canvas = canvas.clone()
         self.known = known.clone()
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=canvas.device)  # set by a burst step (sticky)
 
     @property
     def batch_size(self) -> int:
