@@ -26,7 +26,9 @@ CUDA and float32 on CPU:
   time less that first iteration, per later iteration (unsynced: the engine
   queues each iteration before reading the previous one's status).
   ``burst-sync-<shape>-B<b>``: the same through ``Engine(lookahead=False)``,
-  which reads every status before the next launch; ``ar-inductor`` and
+  which reads every status before the next launch; ``burst-lossless``: with
+  ``generate``'s default rule (one order, lossless: a residual draw per
+  iteration); ``ar-inductor`` and
   ``burst-inductor``: through ``Engine(compile_steps="inductor")`` (CUDA only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
@@ -81,6 +83,7 @@ STRATEGIES = {
     "ar-inductor": dict(strategy="autoregressive", order="left-to-right"),  # Engine(compile_steps="inductor")
     "burst-inductor": dict(strategy="burst", num_orders=5, acceptance="paper"),
     "burst-sync": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(lookahead=False)
+    "burst-lossless": dict(strategy="burst", num_orders=1, acceptance="lossless"),  # generate's default rule
 }
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
 COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
