@@ -22,6 +22,7 @@ randomness protocol.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple, Optional
 
 import torch
@@ -202,5 +203,13 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     u = now[AR_U].view(torch.float64)
     tok, _ = kernels.sample(logits, u, temperature, top_k, backend=_backend(session))
     session.commit(verified, first, n, tok[:, None])
-    kernels.flag_nonfinite(logits, n.bool(), plan.nonfinite, backend=_flags_backend(session))
+    kernels.flag_nonfinite(logits, bool_view(n), plan.nonfinite, backend=_flags_backend(session))
     plan.step.add_(1)
+
+
+def bool_view(flags: torch.Tensor) -> torch.Tensor:
+    """(B,) contiguous int64 0/1 flags as a (B,) bool tensor: a view of their low bytes (no cast kernel) on a
+    little-endian machine, else (and under torch.compile) a cast."""
+    if sys.byteorder != "little" or torch.compiler.is_compiling():
+        return flags.bool()
+    return flags.view(torch.bool)[:: flags.element_size()]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from helpers import tiny_model
@@ -388,3 +390,13 @@ def test_triton_commit_leaves_the_session_as_the_reference_commit(model, num_ord
     assert torch.equal(got.cache.lens, want.cache.lens) and got.cache.lens.sum() > known.sum()
     for name in ("k", "v"):  # the scratch slot T excluded: the reference parks the rejected steps there
         assert torch.equal(getattr(got.cache, name)[..., :T, :], getattr(want.cache, name)[..., :T, :]), name
+
+
+@pytest.mark.parametrize("flags", [[0, 1, 1, 0, 1], [1], [0, 0]], ids=["mixed", "one", "none"])
+def test_bool_view_of_int64_flags_equals_the_cast(flags):
+    """The autoregressive step's live flags as a bool view of their bytes: the cast's values, no copy."""
+    x = torch.tensor(flags)
+    got = steps.bool_view(x)
+    assert got.dtype == torch.bool and torch.equal(got, x.bool())
+    if sys.byteorder == "little":
+        assert got.data_ptr() == x.data_ptr()  # a view
