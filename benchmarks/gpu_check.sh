@@ -3,7 +3,7 @@
 # benchmarks, the vocabulary kernels' tests compiled (persistent streams at the card's occupancy), a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT. Each part has a time
 # limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
-# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 930 s, more than one device-tool
+# GPU_PARTS (the parts to run, in order). The default parts' limits add up to 960 s, more than one device-tool
 # call's 600, but they are caps (the third lend's default parts took 145 s in all); in one call the engine part
 # times sigmafast alone (the issue 9 targets); "anchors" (HF transformers and the compiled
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
@@ -54,8 +54,9 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile train}; do
         "${BENCH[@]}" --benchmark-json="$OUT/engine_burst.json" -k "test_engine and burst- and not inductor" ;;
     kernels) run kernels "${GPU_KERNELS_LIMIT:-110}" python -m pytest benchmarks/bench_kernels.py "${BENCH[@]}" \
         --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
-    profile) run profile "${GPU_PROFILE_LIMIT:-90}" bash -c "python benchmarks/profile_steps.py --shape gpt2 --batch 1 \
-        && python benchmarks/profile_steps.py --shape small --batch 1" ;;
+    profile) run profile "${GPU_PROFILE_LIMIT:-120}" bash -c "python benchmarks/profile_steps.py --shape gpt2 --batch 1 \
+        && python benchmarks/profile_steps.py --shape small --batch 1 \
+        && python benchmarks/profile_steps.py --shape gpt2 --batch 1 --rule lossless" ;;
     train) if [ -f data/gpucheck/owt/train.bin ]; then  # carried: see the header
         run train "${GPU_TRAIN_LIMIT:-240}" bash -c "for c in --no-compile --compile; do python scripts/train.py \
             --task owt --data-dir data/gpucheck/owt --preset gpt2 --max-iters 40 --batch-size 16 --grad-accum 1 \
