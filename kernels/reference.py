@@ -195,7 +195,10 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
 
 
 def chosen_order(orders: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
-    """(B, O, R) orders and (B,) choices -> (B, R) the chosen order of each row."""
+    """(B, O, R) orders (or per-order tokens) and (B,) choices -> (B, R) the chosen order of each row; a
+    (B, R) tensor, already one row per batch row, as is."""
+    if orders.ndim == 2:
+        return orders
     B, O, R = orders.shape
     if O == 1:
         return orders[:, 0]
@@ -233,9 +236,7 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     to step ``n[b] - 1`` where n[b] > 0.
     """
     B, O, R = orders.shape
-    chosen = chosen_order(orders, choice)  # (B, R)
-    if tokens.ndim == 3:
-        tokens = chosen_order(tokens, choice)
+    chosen, tokens = chosen_order(orders, choice), chosen_order(tokens, choice)  # (B, R) each
     write_canvas(canvas, known, chosen, n, tokens)
     if O == 1:
         k, v = keys[:, :, 0], values[:, :, 0]  # (n_layer, B, H, R, D) views
@@ -308,15 +309,31 @@ def along(values: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:
     return values[:, None, :].expand(B, O, values.shape[1]).gather(2, orders)
 
 
+def turn_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., D/2) cos and sin -> (..., D) ``[cos, cos]`` and ``[-sin, sin]``, the tables of
+    :func:`rotate_pairs`."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False) -> torch.Tensor:
+    """(..., D) ``x`` with its channel pairs (x_i, x_{i + D/2}) rotated by the angles whose (..., D) tables
+    (broadcast) are ``cos`` = [cos, cos] and ``sin`` = [-sin, sin] (:func:`turn_tables`), or by minus them
+    when ``back``: x_i cos -+ x_{i + D/2} sin and x_{i + D/2} cos +- x_i sin, bit for bit, in four ops (a
+    swap of the halves, two products, a sum) instead of the pairwise formula's seven. RoPE's one formula:
+    the model's (``positions.Rotary``) and the rotary kernel's reference."""
+    x1, x2 = x.chunk(2, dim=-1)
+    swapped = torch.cat([x2, x1], dim=-1)
+    return x * cos - swapped * sin if back else x * cos + swapped * sin
+
+
 def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
     """Rotate q (..., H, T, D), and k and v when not None, in place: the channel pairs (x_i, x_{i + D/2})
     of each head by the angles of rows ``pos_q`` (..., T) (``pos_k`` for k and v) of the (n_pos, D/2)
     cos and sin tables, times ``sign``; in the tensors' dtype, as the model's RoPE."""
     for x, pos in ((q, pos_q), (k, pos_k), (v, pos_k)):
         if x is not None:
-            c, s = cos[pos].unsqueeze(-3).to(x.dtype), (sin[pos] * sign).unsqueeze(-3).to(x.dtype)
-            x1, x2 = x.chunk(2, dim=-1)
-            x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+            c, s = turn_tables(cos[pos], sin[pos] * sign)
+            x.copy_(rotate_pairs(x, c.unsqueeze(-3).to(x.dtype), s.unsqueeze(-3).to(x.dtype)))
 
 
 def residual_pick(n, remaining, orders, slots, u_residual):

@@ -28,9 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels.reference import turn_tables
 from .loss import linear_cross_entropy
 from .model_config import SigmaGPTConfig
-from .positions import Rotary, rotary_tables, sinusoidal_table, turn_tables
+from .positions import Rotary, rotary_tables, sinusoidal_table
 
 def linear_into(x: torch.Tensor, layer: nn.Linear, out: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for (..., C) ``x``, written into the contiguous (..., N) ``out`` by one matmul."""

@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from .kernels.reference import rotate_pairs
+
 ROPE_BASE = 10000.0
 PE_SCALE = 0.02 * math.sqrt(2.0)  # channel RMS 0.02, as the token embeddings at init
 
@@ -53,7 +55,7 @@ def sinusoidal_table(n_pos: int, dim: int, scale: float = PE_SCALE) -> torch.Ten
 
 class Rotary(NamedTuple):
     """Rotation tables of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D) each, the
-    angles' ``[cos, cos]`` and ``[-sin, sin]`` (:func:`turn_tables`).
+    angles' ``[cos, cos]`` and ``[-sin, sin]`` (:func:`~sigmafast.kernels.reference.turn_tables`).
 
     With ``values`` the values are rotated as the keys, and :meth:`restore` rotates
     each attention output back by its query's angle (``rope-v``).
@@ -67,11 +69,9 @@ class Rotary(NamedTuple):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """(..., H, T, D) rotated pairwise (x_i, x_{i + D/2}) by the angles whose (..., 1, T, D) tables are
-        ``cos`` = [cos, cos] and ``sin`` = [-sin, sin]: x_i cos - x_{i + D/2} sin and x_{i + D/2} cos + x_i sin,
-        bit for bit, in four ops (a swap of the halves, two products, a sum) instead of seven."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([x2, x1], dim=-1) * sin
+        """(..., H, T, D) rotated pairwise (x_i, x_{i + D/2}) by the angles of the (..., 1, T, D) tables
+        (:func:`~sigmafast.kernels.reference.rotate_pairs`)."""
+        return rotate_pairs(x, cos, sin)
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -82,10 +82,7 @@ class Rotary(NamedTuple):
 
     def restore(self, y: torch.Tensor) -> torch.Tensor:
         """(..., H, T, D) attention output, rotated back by ``out_pos`` with ``values``; else unchanged."""
-        if not self.values:
-            return y
-        y1, y2 = y.chunk(2, dim=-1)
-        return y * self.cos_q - torch.cat([y2, y1], dim=-1) * self.sin_q  # the rotation by minus the angle
+        return rotate_pairs(y, self.cos_q, self.sin_q, back=True) if self.values else y
 
 
 def rotary_tables(n_pos: int, head_dim: int, base: float = ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +91,3 @@ def rotary_tables(n_pos: int, head_dim: int, base: float = ROPE_BASE) -> tuple[t
     angle = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv_freq  # (n_pos, D/2)
     return angle.cos().float(), angle.sin().float()
 
-
-def turn_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n_pos, D/2) cos and sin -> (n_pos, D) ``[cos, cos]`` and ``[-sin, sin]``, the tables of
-    :meth:`Rotary.rotate`."""
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)

@@ -347,7 +347,5 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
 
 def _pad_plan(plan: ARPlan, size: int) -> ARPlan:
     """The plan with zero rows up to ``size``: padding rows are never live."""
-    steps = plan.steps  # (4, B, T): rows along dim 1
-    if steps.shape[1] < size:
-        steps = torch.cat([steps, steps.new_zeros(steps.shape[0], size - steps.shape[1], steps.shape[2])], dim=1)
+    steps = _pad_rows(plan.steps.transpose(0, 1), None, size).transpose(0, 1)  # (4, B, T): rows along dim 1
     return ARPlan(steps, plan.step, plan.nonfinite)

@@ -15,7 +15,8 @@ from helpers import tiny_model, triton_device
 from sigmafast import kernels
 from sigmafast.kernels import reference as ref
 from sigmafast.kernels import rotary
-from sigmafast.positions import rotary_tables, turn_tables
+from sigmafast.kernels.reference import turn_tables
+from sigmafast.positions import rotary_tables
 
 DEVICE = triton_device()
 

@@ -90,10 +90,9 @@ class OracleSession:
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:
         """Write the first ``n[b]`` tokens of order ``choice[b]`` ((B, R), or (B, O, R): every order's) into the
         canvas: the conditionals read it."""
-        chosen = kernels.reference.chosen_order(verified.orders, choice)
-        if tokens.ndim == 3:
-            tokens = kernels.reference.chosen_order(tokens, choice)
-        kernels.reference.write_canvas(self.canvas, self.known, chosen, n, tokens)
+        chosen_order = kernels.reference.chosen_order
+        kernels.reference.write_canvas(self.canvas, self.known, chosen_order(verified.orders, choice), n,
+                                       chosen_order(tokens, choice))
 
 
 class ProductOracle(Oracle):
