@@ -186,13 +186,18 @@ def acceptance_from_hidden(
     return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
-def sample(logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[str] = None
+def sample(logits, uniforms, temperature=1.0, top_k=None, *, used=None, flag=None, backend: Optional[str] = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference."""
+    """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference. With a () bool ``flag``,
+    also ``flag_nonfinite(logits, used, flag)`` (``used``: None or (N,) bool), fused on the Triton path."""
     if _resolve(backend, logits) == "triton":
-        return _triton().sampling.sample(logits, uniforms, temperature, top_k)
+        return _triton().sampling.sample(logits, uniforms, temperature, top_k, used=used, flag=flag)
     checks.check_sampling(logits, uniforms, temperature, top_k, dtypes=_REF)
-    return reference.sample(logits, uniforms, temperature, top_k)
+    checks.check_used_rows(used, flag, logits)
+    out = reference.sample(logits, uniforms, temperature, top_k)
+    if flag is not None:
+        reference.flag_nonfinite(logits, used, flag)
+    return out
 
 
 def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[str] = None

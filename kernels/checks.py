@@ -125,6 +125,32 @@ def check_sampling(logits, uniforms, temperature, top_k, block_v=None, name: str
     check_block_v(block_v)
 
 
+def check_flag(flag, device: torch.device) -> None:
+    """A () bool flag on ``device``."""
+    if not isinstance(flag, torch.Tensor):
+        raise TypeError(f"flag must be a torch.Tensor, got {type(flag).__name__}")
+    if flag.dtype != torch.bool or flag.shape != () or flag.device != device:
+        raise ValueError(f"flag must be a () bool tensor on {device}, got {flag.dtype} {tuple(flag.shape)} "
+                         f"on {flag.device}")
+
+
+def check_used_rows(used, flag, logits: torch.Tensor) -> None:
+    """A sampler's optional non-finite check: ``flag`` None or a () bool tensor; ``used`` None or (N,) bool
+    (only with a flag)."""
+    if flag is None:
+        if used is not None:
+            raise ValueError("used is only read with a flag: pass flag=, or used=None")
+        return
+    check_flag(flag, logits.device)
+    if used is None:
+        return
+    if not isinstance(used, torch.Tensor):
+        raise TypeError(f"used must be None or a torch.Tensor, got {type(used).__name__}")
+    if used.dtype != torch.bool or tuple(used.shape) != (logits.shape[0],) or used.device != logits.device:
+        raise ValueError(f"used must be None or a ({logits.shape[0]},) bool tensor on {logits.device}, got "
+                         f"{used.dtype} {tuple(used.shape)} on {used.device}")
+
+
 def check_residual(q_logits, p_logits, uniforms, temperature, top_k, block_v=None,
                    dtypes: tuple = FLOAT_DTYPES) -> None:
     """(N, V) q and p logits and (N,) uniforms."""

@@ -6,7 +6,9 @@ an ``any``; then an ``or`` of the two checks) and ends with its status (the
 unknown counts, their max, the rows left, the flag: six more ops). An
 autoregressive step checks its logits the same way. Each op is a kernel launch
 in a replayed CUDA graph, where launches, not bytes, set a small model's step
-time; here each group is one kernel.
+time; here each group is one kernel. Logits that are sampled are checked by the
+sampling kernel itself (``sampling.sample(..., used=, flag=)``: from each row's
+total, with no second read); this kernel checks the verifier's outputs.
 
 ``_flag_nonfinite_kernel``, grid (row blocks,): BLOCK_M rows per program, each
 read in BLOCK_N-wide tiles; NaN is counted as +inf (explicitly: ``tl.maximum``
@@ -37,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES
+from .checks import FLOAT_DTYPES, check_flag
 
 BLOCK_B = 8
 BLOCK_T = 512
@@ -158,14 +160,6 @@ def status_launch(known: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_flag(flag, device: torch.device) -> None:
-    if not isinstance(flag, torch.Tensor):
-        raise TypeError(f"flag must be a torch.Tensor, got {type(flag).__name__}")
-    if flag.dtype != torch.bool or flag.shape != () or flag.device != device:
-        raise ValueError(f"flag must be a () bool tensor on {device}, got {flag.dtype} {tuple(flag.shape)} "
-                         f"on {flag.device}")
-
-
 def flag_nonfinite(values: torch.Tensor, used: Optional[torch.Tensor], flag: torch.Tensor) -> None:
     """Set ``flag`` to True, in place, when ``reference.nonfinite(values, used)``; never clear it.
 
@@ -191,7 +185,7 @@ def flag_nonfinite(values: torch.Tensor, used: Optional[torch.Tensor], flag: tor
         if used.dtype != torch.bool or not fits or used.device != values.device:
             raise ValueError(f"used must be None or a bool tensor on {values.device} broadcastable to values' "
                              f"leading dims {tuple(lead)}, got {used.dtype} {tuple(used.shape)} on {used.device}")
-    _check_flag(flag, values.device)
+    check_flag(flag, values.device)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     torch.ops.sigmafast.flag_nonfinite(values, used, flag)
@@ -208,7 +202,7 @@ def burst_status(known: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"known must be a (B, T) torch.Tensor, got {type(known).__name__}")
     if known.dtype != torch.bool or known.ndim != 2:
         raise ValueError(f"known must be a (B, T) bool tensor, got {known.dtype} {tuple(known.shape)}")
-    _check_flag(flag, known.device)
+    check_flag(flag, known.device)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.burst_status(known, flag)

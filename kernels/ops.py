@@ -8,7 +8,9 @@ op                                 inputs -> outputs
 ``sigmafast::verify_attention``    q, k, v (B, O, H, R, D), caches, lens -> like q
 ``sigmafast::draft_logq``          logits (N, V), drafts (N,) -> (N,) float32 log q (int64 argmax at T=0)
 ``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,) -> as ``draft_logq``
-``sigmafast::sample``              logits (N, V), uniforms (N,) -> tokens (N,) int64, float32 log-probs (N,)
+``sigmafast::sample``              logits (N, V), uniforms (N,), used (N,) or None, flag () or None
+                                   -> tokens (N,) int64, float32 log-probs (N,); sets flag when a used
+                                   row is not finite
 ``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
 ``sigmafast::decide``              q/p ratios (or argmax), drafts, uniforms (B, O, R), lengths (B,)
                                    -> accept (B, O, R), n_accept, first_reject (B, O), best, n_best (B,)
@@ -32,9 +34,9 @@ op                                 inputs -> outputs
 ``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
 =================================  ==========================================================
 
-Every op but ``commit``, ``rotary_`` and ``flag_nonfinite`` is functional: it returns new tensors and
-mutates none of its inputs. ``commit`` declares the session buffers it writes in place (``mutates_args``),
-``rotary_`` the tensors it rotates, and ``flag_nonfinite`` its flag.
+Every op but ``commit``, ``rotary_``, ``flag_nonfinite`` and ``sample`` is functional: it returns new
+tensors and mutates none of its inputs. ``commit`` declares the session buffers it writes in place
+(``mutates_args``), ``rotary_`` the tensors it rotates, and ``flag_nonfinite`` and ``sample`` their flag.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -111,14 +113,15 @@ def _(hidden, weight, drafts, temperature):
     return _scores(hidden, temperature)
 
 
-@torch.library.custom_op("sigmafast::sample", mutates_args=())
+@torch.library.custom_op("sigmafast::sample", mutates_args=("flag",))
 def _sample(logits: Tensor, uniforms: Tensor, temperature: float, top_k: Optional[int] = None,
-            block_v: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    return launch(logits, None, uniforms, temperature, top_k, block_v)
+            block_v: Optional[int] = None, used: Optional[Tensor] = None,
+            flag: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return launch(logits, None, uniforms, temperature, top_k, block_v, used, flag)
 
 
 @_sample.register_fake
-def _(logits, uniforms, temperature, top_k=None, block_v=None):
+def _(logits, uniforms, temperature, top_k=None, block_v=None, used=None, flag=None):
     N = logits.shape[0]
     return logits.new_empty(N, dtype=torch.int64), logits.new_empty(N, dtype=torch.float32)
 

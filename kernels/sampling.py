@@ -50,7 +50,8 @@ import triton
 import triton.language as tl
 
 from .topk import threshold
-from .checks import check_residual, check_sampling
+from .checks import check_flag, check_residual, check_sampling, check_used_rows
+from .flags import launch as flag_launch
 from .utils import exp_ftz, row_stride
 from .vocab import (
     aligned_rows, chunk_stats, residual_masses, residual_probs, row_masses, row_window,
@@ -60,13 +61,15 @@ from .vocab import (
 
 @triton.jit
 def _sample_rows(
-    QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, LOGP, s_x, N, V, NC, temperature,
+    QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, LOGP, USED, FLAG, s_x, s_u, N, V, NC, check, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     RESIDUAL: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """The rows' tokens (and, unless RESIDUAL, their log-probs): the crossing chunk from the (N, NC)
     chunk masses, then the token inside that one chunk. q and p rows share the row stride s_x, in units
-    of STRIDE_UNIT (see utils); chunks are aligned windows (see vocab.row_window)."""
+    of STRIDE_UNIT (see utils); chunks are aligned windows (see vocab.row_window). Unless RESIDUAL, with
+    ``check`` 1 (every row) or 2 (the rows whose byte at USED + n * s_u is nonzero) a row whose total is
+    not in (0, inf) stores 1 into FLAG (see ``flag_rows``)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -116,16 +119,30 @@ def _sample_rows(
     if not RESIDUAL:
         x_tok = tl.max(tl.where(o_v == token[:, None], b_x, float("-inf")), 1)
         tl.store(LOGP + o_n64, (x_tok - lse_q).to(LOGP.dtype.element_ty), mask=m_n)
+        flag_rows(USED, FLAG, o_n, o_n64, q_tot, s_u, N, check)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ"])
+@triton.jit
+def flag_rows(USED, FLAG, o_n, o_n64, total, s_u, N, check):
+    """Store 1 into FLAG when a checked row's total ``sum exp(x - row max)`` is not in (0, inf): NaN exactly
+    when the row holds a NaN or +inf (NaN - max, or inf - inf, reaches the sum even where ``tl.max`` drops
+    NaNs), 0 exactly when it has no finite entry, so ``reference.nonfinite``'s rows. ``check``: 0 none, 1
+    every row, 2 those with a nonzero byte at USED + n * s_u."""
+    m_c = o_n < tl.where(check > 0, N, 0)
+    b_used = tl.load(USED + o_n64 * s_u, mask=o_n < tl.where(check > 1, N, 0), other=1)
+    bad = m_c & (b_used != 0) & ~((total > 0.0) & (total < float("inf")))
+    tl.store(FLAG, tl.full((), 1, tl.uint8), mask=tl.max(bad.to(tl.int32), 0) > 0)
+
+
+@triton.jit(do_not_specialize=["s_x", "s_u", "N", "NC", "check"],
+            do_not_specialize_on_alignment=["U", "KQ", "USED", "FLAG"])
 def _sample_kernel(
-    QL, U, KQ, MQ, SQ, TOK, LOGP, s_x, N, V, NC, temperature,
+    QL, U, KQ, MQ, SQ, TOK, LOGP, USED, FLAG, s_x, s_u, N, V, NC, check, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    _sample_rows(QL, QL, U, KQ, KQ, MQ, SQ, MQ, MQ, MQ, TOK, LOGP, s_x, N, V, NC, temperature,
-                 BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, False, STRIDE_UNIT, ALIGN)
+    _sample_rows(QL, QL, U, KQ, KQ, MQ, SQ, MQ, MQ, MQ, TOK, LOGP, USED, FLAG, s_x, s_u, N, V, NC, check,
+                 temperature, BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, False, STRIDE_UNIT, ALIGN)
 
 
 @triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
@@ -134,16 +151,20 @@ def _residual_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    _sample_rows(QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, TOK, s_x, N, V, NC, temperature,
+    _sample_rows(QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, TOK, TOK, TOK, s_x, 0, N, V, NC, 0, temperature,
                  BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, True, STRIDE_UNIT, ALIGN)
 
 
-def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
+def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None, used=None, flag=None):
     """Launch the sample (``p_logits`` None) or residual kernels, no checks: (N,) tokens and (N,) log-probs
-    (residual: None). Temperature 0 is the first argmax of q (log-prob 0), without a kernel."""
+    (residual: None). Temperature 0 is the first argmax of q (log-prob 0), without a sampling kernel.
+    Sample only: with a () bool ``flag``, sets it when ``reference.nonfinite(q_logits, used)`` (used: None
+    or (N,) bool), in the sampling kernel (the flags kernel at temperature 0)."""
     N, V = q_logits.shape
     residual = p_logits is not None
     if temperature == 0:
+        if flag is not None:
+            flag_launch(q_logits, used, flag)
         return q_logits.argmax(-1), None if residual else q_logits.new_zeros(N, dtype=torch.float32)
     cfg = split_config(V, q_logits.dtype, block_v)
     q_logits = aligned_rows(q_logits, cfg.unit)
@@ -172,9 +193,13 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None):
             float(temperature), **meta,
         )
     else:
+        check = 0 if flag is None else 1 if used is None else 2
+        flag_u8 = (tokens if flag is None else flag).view(torch.uint8)  # without a flag: never written (check 0)
+        used_u8 = flag_u8 if used is None else used.view(torch.uint8)
+        s_u = used.stride(0) if used is not None and N > 1 else 0
         _sample_kernel[grid](
-            q_logits, u, kq if kq is not None else u, mq, sq, tokens, logp, s_x, N, V, cfg.nc, float(temperature),
-            **meta,
+            q_logits, u, kq if kq is not None else u, mq, sq, tokens, logp, used_u8, flag_u8, s_x, s_u, N, V, cfg.nc,
+            check, float(temperature), **meta,
         )
     return tokens, logp
 
@@ -186,6 +211,8 @@ def sample(
     top_k: Optional[int] = None,
     *,
     block_v: Optional[int] = None,
+    used: Optional[torch.Tensor] = None,
+    flag: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse CDF.
 
@@ -194,11 +221,16 @@ def sample(
     kernels compute in float32 whatever the logits' dtype) under the processed
     distribution; temperature 0 is greedy (first argmax, log-prob 0).
     ``block_v`` (a power of two) overrides the vocabulary chunk.
+    ``flag`` (a () bool tensor) is set in place, never cleared, when a row of
+    ``logits`` (those where the (N,) bool ``used`` is True; every row when
+    None) holds a NaN or +inf or has no finite entry, as ``flag_nonfinite``
+    sets it, without reading the logits again.
     """
     check_sampling(logits, uniforms, temperature, top_k, block_v)
+    check_used_rows(used, flag, logits)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
-    return torch.ops.sigmafast.sample(logits, uniforms, float(temperature), top_k, block_v)
+    return torch.ops.sigmafast.sample(logits, uniforms, float(temperature), top_k, block_v, used, flag)
 
 
 def residual_sample(

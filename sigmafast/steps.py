@@ -108,12 +108,23 @@ class Slots(NamedTuple):
 
 
 def draft(session, slots: Slots, temperature: float, top_k: Optional[int]) -> Drafts:
-    """Sample a draft at each of the R slots of every row."""
+    """Sample a draft at each of the R slots of every row (flagging used logits rows that are not finite)."""
     B, R = slots.positions.shape
     logits = session.draft(slots.positions)  # (B, R, V)
-    tok, logp = kernels.sample(logits.flatten(0, 1), slots.u_draft.flatten(), temperature, top_k,
-                               backend=_backend(session))
+    tok, logp = sample_checked(session, logits.flatten(0, 1), slots.u_draft.flatten(), slots.used.flatten(),
+                               session.nonfinite, temperature, top_k)
     return Drafts(slots.positions, logits, tok.view(B, R), logp.view(B, R))
+
+
+def sample_checked(session, logits: torch.Tensor, u: torch.Tensor, used: torch.Tensor, flag: torch.Tensor,
+                   temperature: float, top_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.sample`` of (N, V) ``logits`` that also sets the () ``flag`` when a row where the (N,) ``used``
+    is True is not finite: inside the sampling kernel (no second read of the logits), or by the reference
+    flag op when traced (see :func:`_flags_backend`)."""
+    if traced():
+        kernels.flag_nonfinite(logits, used, flag, backend="reference")
+        return kernels.sample(logits, u, temperature, top_k, backend=_backend(session))
+    return kernels.sample(logits, u, temperature, top_k, used=used, flag=flag, backend=_backend(session))
 
 
 def along_orders(session, drafts: Drafts, u_accept: torch.Tensor, orders: torch.Tensor) -> Along:
@@ -177,8 +188,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
     bad = session.nonfinite  # () bool, sticky: the loop stops at the first status that reports it
     backend = _flags_backend(session)
-    kernels.flag_nonfinite(drafts.logits, used, bad, backend=backend)
-    kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)
+    kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)  # the drafts': checked by draft()
     res = accept(session, verified, along, remaining, temperature, top_k, rule)
     choice = res.best  # (B,) lossless: 0, the only order
     if rule == "paper":
@@ -201,9 +211,8 @@ def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> 
     verified = session.verify(j[:, None, None], None)  # feeds the last token only
     logits = verifier_logits(session, verified)  # (B, V) the only step: a view, no gather
     u = now[AR_U].view(torch.float64)
-    tok, _ = kernels.sample(logits, u, temperature, top_k, backend=_backend(session))
+    tok, _ = sample_checked(session, logits, u, bool_view(n), plan.nonfinite, temperature, top_k)
     session.commit(verified, first, n, tok[:, None])
-    kernels.flag_nonfinite(logits, bool_view(n), plan.nonfinite, backend=_flags_backend(session))
     plan.step.add_(1)
 
 

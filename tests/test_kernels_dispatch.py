@@ -77,7 +77,7 @@ def test_public_functions_dispatch_to_triton(monkeypatch):
 
     calls = []
     real = sampling.sample
-    monkeypatch.setattr(sampling, "sample", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(sampling, "sample", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(0)
     logits, u = _dev(torch.randn(6, 11, generator=g), torch.rand(6, generator=g))
     with kernels.use_backend("triton"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import tiny_model, triton_device
-from sigmafast.kernels import flags
+from sigmafast.kernels import flags, sampling
 from sigmafast.kernels import reference as ref
 
 DEVICE = triton_device()
@@ -32,6 +32,7 @@ CASES = [
 ]
 POISONS = ["clean", "nan", "+inf", "all--inf", "-inf-but-one-finite", "-inf-entries"]
 BAD = {"nan", "+inf", "all--inf"}
+BOOL, FLAG = torch.zeros(2, 3, dtype=torch.bool), torch.zeros((), dtype=torch.bool)  # for the bad-input cases
 
 
 def _ids(case) -> str:
@@ -128,6 +129,103 @@ def test_flag_nonfinite_leaves_values_and_mask_unchanged():
     assert torch.equal(values.nan_to_num(), before[0].nan_to_num())
 
 
+# sampling.sample's fused check: (N, V, block_v), (temperature, top_k), used form
+SAMPLE_SHAPES = [(1, 1, None), (5, 7, None), (6, 300, 64), (9, 130, 32)]  # several chunks, a ragged last one
+SAMPLE_SETTINGS = [(1.0, None), (0.7, 3), (0.0, None)]  # temperature 0: the flags kernel, no sampling kernel
+USED_FORMS = ["none", "mask", "int64-view"]  # every row; a (N,) bool; a strided bool view (as steps.bool_view)
+
+
+def _used_rows(form, N, g):
+    """``(used, dense)``: the mask passed to sample and the same rows as a contiguous bool (None: every row)."""
+    if form == "none":
+        return None, None
+    live = (torch.rand(N, generator=g) < 0.5).long()
+    if form == "int64-view":
+        return live.view(torch.bool)[::8], live.bool()
+    return live.bool(), live.bool()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN logits
+@pytest.mark.parametrize("form", USED_FORMS)
+@pytest.mark.parametrize("setting", SAMPLE_SETTINGS, ids=lambda s: f"T{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("shape", SAMPLE_SHAPES, ids=lambda s: f"N{s[0]}-V{s[1]}-chunk{s[2]}")
+@pytest.mark.parametrize("poison", POISONS)
+def test_sample_flags_rows_as_flag_nonfinite(poison, shape, setting, form):
+    """sample(..., used=, flag=) sets the flag exactly as ``reference.flag_nonfinite`` (from its row totals, without
+    a second read) and samples the same tokens as without a flag; a poisoned used row and an unused one."""
+    N, V, block_v = shape
+    temperature, top_k = setting
+    if top_k is not None and top_k > V:
+        top_k = V
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        logits = _values((N, V), "strided" if seed == 1 else "contiguous", torch.float32, g)
+        u = torch.rand(N, generator=g)
+        used, dense = _used_rows(form, N, g)
+        want_used = dense is None or seed != 1
+        if dense is not None and not bool((dense == want_used).any()):
+            return  # no row of the wanted kind (N = 1)
+        rows = (torch.ones(N, dtype=torch.bool) if dense is None else dense == want_used).nonzero()[:, 0]
+        _poison(logits, int(rows[seed % rows.numel()]), V // 2 if seed else V - 1, poison)
+        want = _reference_flag(logits, dense, torch.zeros((), dtype=torch.bool))
+        assert bool(want) == (poison in BAD and want_used)
+        dev = [None if t is None else t.to(DEVICE) for t in (logits, u, used)]
+        flag = torch.zeros((), dtype=torch.bool, device=DEVICE)
+        tok, logp = sampling.sample(dev[0], dev[1], temperature, top_k, block_v=block_v, used=dev[2], flag=flag)
+        assert bool(flag) == bool(want), f"seed {seed}"
+        plain_tok, plain_logp = sampling.sample(dev[0], dev[1], temperature, top_k, block_v=block_v)
+        assert torch.equal(tok, plain_tok)
+        torch.testing.assert_close(logp, plain_logp, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_sample_never_clears_the_flag(temperature):
+    logits, u = torch.randn(4, 20).to(DEVICE), torch.rand(4).to(DEVICE)
+    flag = torch.ones((), dtype=torch.bool, device=DEVICE)
+    sampling.sample(logits, u, temperature, used=torch.ones(4, dtype=torch.bool, device=DEVICE), flag=flag)
+    assert bool(flag)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(used=torch.ones(2, dtype=torch.bool)), ValueError, "used is only read with a flag"),
+    (dict(flag=torch.zeros(())), ValueError, "flag must be a \\(\\) bool"),
+    (dict(flag=True), TypeError, "flag must be a torch.Tensor"),
+    (dict(used=torch.ones(3, dtype=torch.bool), flag=FLAG), ValueError, "used must be None or a \\(2,\\) bool"),
+    (dict(used=torch.ones(2), flag=FLAG), ValueError, "used must be None or a \\(2,\\) bool"),
+    (dict(used=[True, True], flag=FLAG), TypeError, "used must be None or a torch.Tensor"),
+], ids=["used-without-flag", "flag-float", "flag-bool", "used-shape", "used-float", "used-list"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_sample_rejects_bad_flag_arguments(kwargs, error, match, backend):
+    from sigmafast import kernels
+
+    with pytest.raises(error, match=match):
+        kernels.sample(torch.zeros(2, 3), torch.rand(2), 1.0, backend=backend, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN logits
+def test_draft_flags_its_used_rows_only():
+    """steps.draft checks the draft logits of the used slots (fused into its sampling) and no others."""
+    from types import SimpleNamespace
+
+    from sigmafast import steps
+
+    B, R, V = 2, 4, 11
+    logits = torch.randn(B, R, V, device=DEVICE)
+    used = torch.tensor([[True, True, False, False], [True, False, False, False]], device=DEVICE)
+    slots = steps.Slots(torch.arange(R, device=DEVICE).expand(B, R), torch.rand(B, R, device=DEVICE), used,
+                        used.sum(1))
+    got = []
+    for b, r in ((0, 2), (1, 0)):  # an unused slot, then a used one
+        bad = logits.clone()
+        bad[b, r, 3] = float("nan")
+        session = SimpleNamespace(draft=lambda positions, x=bad: x, backend="triton",
+                                  nonfinite=torch.zeros((), dtype=torch.bool, device=DEVICE))
+        with torch.no_grad():
+            steps.draft(session, slots, 1.0, None)
+        got.append(bool(session.nonfinite))
+    assert got == [False, True]
+
+
 # (B, T, known kind)
 STATUS_CASES = [
     (1, 0, "none"),
@@ -174,7 +272,6 @@ def test_burst_status_matches_reference(case, bad, poisoned_empty):
         assert torch.equal(got, want), f"seed {seed}: {got.tolist()} != {want.tolist()}"
 
 
-BOOL, FLAG = torch.zeros(2, 3, dtype=torch.bool), torch.zeros((), dtype=torch.bool)
 
 
 @pytest.mark.parametrize("args,error,match", [
