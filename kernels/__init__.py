@@ -156,34 +156,48 @@ def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backe
 
 def acceptance(
     logits, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper", *,
-    backend: Optional[str] = None,
+    flag=None, backend: Optional[str] = None,
 ) -> Acceptance:
-    """Accept/reject drafts from (B, O, R, V) verifier logits; see the reference."""
+    """Accept/reject drafts from (B, O, R, V) verifier logits; see the reference. With a () bool ``flag``
+    (temperature > 0), also ``reference.flag_nan_ratios``, fused on the Triton path."""
     if _resolve(backend, logits) == "triton":
-        return _triton().accept.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+        return _triton().accept.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
+                                           flag=flag)
     checks.check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule, _REF)
-    return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    checks.check_ratio_flag(flag, temperature, logits.device)
+    return _flagged(reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule),
+                    draft_logp, lengths, flag)
+
+
+def _flagged(res: Acceptance, draft_logp, lengths, flag) -> Acceptance:
+    """``res`` after ``reference.flag_nan_ratios`` of its log q when a flag is given."""
+    if flag is not None:
+        reference.flag_nan_ratios(res.logq, draft_logp, lengths, flag)
+    return res
 
 
 def acceptance_from_hidden(
     hidden, weight, drafts, draft_logp, uniforms, lengths, temperature=1.0, top_k=None, rule="paper", *,
-    backend: Optional[str] = None, scoring: Optional[str] = None, vocab_size: Optional[int] = None,
+    flag=None, backend: Optional[str] = None, scoring: Optional[str] = None, vocab_size: Optional[int] = None,
 ) -> Acceptance:
     """:func:`acceptance` of the logits ``(hidden @ weight.T)[..., :vocab_size]`` ((B, O, R, C) and
     (V', C), rows past ``vocab_size`` being alignment padding); the Triton path never writes all the
-    logits at once (``scoring``: see :func:`accept.acceptance_from_hidden`)."""
+    logits at once (``scoring``: see :func:`accept.acceptance_from_hidden`). ``flag``: as in
+    :func:`acceptance`."""
     if _resolve(backend, hidden) == "triton":
         fn = _triton().accept.acceptance_from_hidden
         extra = {} if scoring is None else {"scoring": scoring}
         return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
-                  vocab_size=vocab_size, **extra)
+                  vocab_size=vocab_size, flag=flag, **extra)
     V = checks.check_hidden(hidden, weight, vocab_size, _REF)
     checks.check_scoring(hidden.shape[:3], hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k,
                          rule)
+    checks.check_ratio_flag(flag, temperature, hidden.device)
     logits = (hidden @ weight.T)[..., :V]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    return _flagged(reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule),
+                    draft_logp, lengths, flag)
 
 
 def sample(logits, uniforms, temperature=1.0, top_k=None, *, used=None, flag=None, backend: Optional[str] = None

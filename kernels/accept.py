@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .decide import decide
-from .checks import check_acceptance, check_block_v, check_hidden, check_scoring
+from .checks import check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
 from .reference import Acceptance
 from .topk import CAP, CHUNKS_PER_K, SCAN_V, key_value, prefilter, prefilter_config, threshold
 from .utils import exp_ftz, online_lse, row_stride, rows_ready, vocab_config
@@ -208,6 +208,7 @@ def acceptance(
     rule: str = "paper",
     *,
     block_v: Optional[int] = None,
+    flag: Optional[torch.Tensor] = None,
 ) -> Acceptance:
     """Accept/reject drafts scored by the verification forward.
 
@@ -215,10 +216,13 @@ def acceptance(
     drafts: (B, O, R) int64 in visiting order; draft_logp: (B, O, R) their log p
     under the draft; uniforms: (B, O, R); lengths: (B,) valid steps per row.
     Returns :class:`Acceptance` (logq (B, O, R), float32 for 16-bit logits, else in their dtype; accept,
-    n_accept, best, first_reject, n_best), with the reference's semantics.
+    n_accept, best, first_reject, n_best), with the reference's semantics. ``flag`` (a () bool tensor,
+    temperature > 0) is set in place, never cleared, when a valid step's ratio q/p is NaN
+    (``reference.flag_nan_ratios``: its verifier row is not finite), by the decisions' kernel.
     """
     check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
     check_block_v(block_v)
+    check_ratio_flag(flag, temperature, logits.device)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     B, O, R, V = logits.shape
@@ -227,7 +231,7 @@ def acceptance(
         logits.reshape(B * O * R, V), drafts.reshape(-1), float(temperature), None if greedy else top_k, block_v
     )
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(logits.dtype))
-    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule, flag)
 
 
 @triton.jit(do_not_specialize=["s_h", "s_w", "N", "V", "C", "NVT"], do_not_specialize_on_alignment=["DRAFT"])
@@ -310,6 +314,7 @@ def acceptance_from_hidden(
     *,
     scoring: str = SCORING,
     vocab_size: Optional[int] = None,
+    flag: Optional[torch.Tensor] = None,
 ) -> Acceptance:
     """:func:`acceptance` of the logits ``hidden @ weight.T``, never all written at once.
 
@@ -325,12 +330,14 @@ def acceptance_from_hidden(
     The default, ``SCORING``, is the faster on the GPU (benchmarks/RESULTS.md). ``vocab_size``: only
     the first rows of ``weight`` are the vocabulary, the others zero padding that keeps the matmul's
     output rows aligned (cuBLAS is several times slower on a 50257-wide output than a 50304-wide one).
+    ``flag``: as in :func:`acceptance`.
     """
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     V = check_hidden(hidden, weight, vocab_size)
     B, O, R, C = hidden.shape
     check_scoring((B, O, R), hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    check_ratio_flag(flag, temperature, hidden.device)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     greedy = temperature == 0
@@ -346,7 +353,7 @@ def acceptance_from_hidden(
     else:
         res = torch.ops.sigmafast.lm_head_logq(rows, weight[:V], flat_drafts, float(temperature))
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(hidden.dtype))
-    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule, flag)
 
 
 LM_HEAD_TILES = (64, 128, 64)  # (BLOCK_N, BLOCK_V, BLOCK_C max): fixed, never from the row count

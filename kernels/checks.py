@@ -134,6 +134,17 @@ def check_flag(flag, device: torch.device) -> None:
                          f"on {flag.device}")
 
 
+def check_ratio_flag(flag, temperature, device: torch.device) -> None:
+    """An acceptance's optional NaN-ratio flag: None, or a () bool tensor with temperature > 0 (greedy
+    decisions compare tokens, and have no ratio)."""
+    if flag is None:
+        return
+    check_flag(flag, device)
+    if temperature == 0:
+        raise ValueError("flag needs temperature > 0: greedy decisions have no ratio to check "
+                         "(check the verifier's outputs with flag_nonfinite)")
+
+
 def check_used_rows(used, flag, logits: torch.Tensor) -> None:
     """A sampler's optional non-finite check: ``flag`` None or a () bool tensor; ``used`` None or (N,) bool
     (only with a flag)."""

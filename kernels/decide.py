@@ -9,7 +9,10 @@ computes it, and ``_decide_kernel``, grid (B,), does the rest: it streams the
 (O, R) tests of a row in (BLOCK_O, BLOCK_R) tiles, carrying each order's
 accepted count and whether it is still accepting, then picks the first order
 with the longest prefix. Everything after the ratio is comparisons and
-integer logic, so the decisions are bit-identical to the reference's.
+integer logic, so the decisions are bit-identical to the reference's. Given a
+flag, it also sets it at a NaN ratio of a step below the row's length (the
+verifier's row is not finite: ``reference.flag_nan_ratios``), the burst step's
+check of its verifier outputs without another read of them.
 
 The kernel takes float32 ratios (the engine's scores are float32 at least);
 other score dtypes go to the reference. Compiles at most twice (the greedy
@@ -32,18 +35,19 @@ BLOCK_R = 128
 _STRIDES = ["s_sb", "s_so", "s_db", "s_do", "s_ub", "s_uo"]
 
 
-@triton.jit(do_not_specialize=_STRIDES + ["O", "R", "paper"],
+@triton.jit(do_not_specialize=_STRIDES + ["O", "R", "paper", "check"],
             do_not_specialize_on_alignment=["SCORE", "DRAFT", "U", "LENS", "ACCEPT", "N_ACC", "FIRST", "BEST",
-                                            "N_BEST"])
+                                            "N_BEST", "FLAG"])
 def _decide_kernel(
-    SCORE, DRAFT, U, LENS, ACCEPT, N_ACC, FIRST, BEST, N_BEST,
-    s_sb, s_so, s_db, s_do, s_ub, s_uo, O, R, paper,
+    SCORE, DRAFT, U, LENS, ACCEPT, N_ACC, FIRST, BEST, N_BEST, FLAG,
+    s_sb, s_so, s_db, s_do, s_ub, s_uo, O, R, paper, check,
     GREEDY: tl.constexpr, TILE_O: tl.constexpr, TILE_R: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     length = tl.load(LENS + i_b).to(tl.int32)
     best_n = tl.full((), -1, tl.int32)
     best_o = tl.full((), 0, tl.int32)
+    n_nan = tl.full((), 0, tl.int32)  # NaN ratios at valid steps (counted when ``check``)
     o_r0 = tl.arange(0, TILE_R)
     for o0 in range(0, O, TILE_O):
         o_o = o0 + tl.arange(0, TILE_O)
@@ -61,7 +65,9 @@ def _decide_kernel(
                 ok = tl.load(p_s + o_r[None, :], mask=m, other=0) == tl.load(p_d + o_r[None, :], mask=m, other=0)
             else:  # u < q/p, u rounded to float32 as the reference does
                 b_u = tl.load(p_u + o_r[None, :], mask=m, other=1.0).to(tl.float32)
-                ok = b_u < tl.load(p_s + o_r[None, :], mask=m, other=0.0)
+                b_t = tl.load(p_s + o_r[None, :], mask=m, other=0.0)
+                ok = b_u < b_t
+                n_nan += tl.sum(tl.sum(((b_t != b_t) & m & (o_r < length)[None, :]).to(tl.int32), 1), 0)
             ok = ok | ((o_r == 0) & (paper != 0))[None, :]  # the paper rule always accepts the first token
             tl.store(p_a + o_r[None, :], ok.to(tl.uint8), mask=m)
             good = ok & m & (o_r < length)[None, :]
@@ -78,10 +84,12 @@ def _decide_kernel(
         best_n = tl.where(better, top, best_n)
     tl.store(BEST + i_b, best_o.to(tl.int64))
     tl.store(N_BEST + i_b, best_n.to(tl.int64))
+    tl.store(FLAG, tl.full((), 1, tl.uint8), mask=n_nan * check > 0)
 
 
-def launch(scores, drafts, uniforms, lengths, greedy: bool, paper: bool):
-    """Launch the kernel (no checks): (accept (B, O, R) bool, n_accept, first_reject (B, O), best, n_best (B,))."""
+def launch(scores, drafts, uniforms, lengths, greedy: bool, paper: bool, flag=None):
+    """Launch the kernel (no checks): (accept (B, O, R) bool, n_accept, first_reject (B, O), best, n_best (B,));
+    sets the () bool ``flag`` (not greedy) when a ratio at a step below its row's length is NaN."""
     B, O, R = drafts.shape
     dev = drafts.device
     accept = torch.empty((B, O, R), dtype=torch.bool, device=dev)
@@ -93,21 +101,26 @@ def launch(scores, drafts, uniforms, lengths, greedy: bool, paper: bool):
         return accept, n_accept, first, best, n_best
     scores, drafts, uniforms = (t if t.stride(-1) == 1 else t.contiguous() for t in (scores, drafts, uniforms))
     lengths = lengths.contiguous()  # read at row b
+    flag_u8 = (accept if flag is None else flag).view(torch.uint8)  # without a flag: never written (check 0)
     _decide_kernel[(B,)](
-        scores, drafts, uniforms, lengths, accept.view(torch.uint8), n_accept, first, best, n_best,
-        *scores.stride()[:2], *drafts.stride()[:2], *uniforms.stride()[:2], O, R, int(paper),
+        scores, drafts, uniforms, lengths, accept.view(torch.uint8), n_accept, first, best, n_best, flag_u8,
+        *scores.stride()[:2], *drafts.stride()[:2], *uniforms.stride()[:2], O, R, int(paper), int(flag is not None),
         GREEDY=greedy, TILE_O=BLOCK_O, TILE_R=BLOCK_R, num_warps=8,
     )
     return accept, n_accept, first, best, n_best
 
 
-def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule="paper") -> Acceptance:
+def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule="paper", flag=None) -> Acceptance:
     """``reference.decide`` with one kernel after the ratio: (B, O, R) scores (log q, or the verifier's
-    argmax when ``temperature == 0``), drafts, draft log p and uniforms; (B,) lengths. Called by the
-    Triton acceptance ops after their own input checks."""
+    argmax when ``temperature == 0``), drafts, draft log p and uniforms; (B,) lengths. With a () bool
+    ``flag`` (temperature > 0), also ``reference.flag_nan_ratios``, in the kernel. Called by the Triton
+    acceptance ops after their own input checks."""
     greedy = temperature == 0
     if (not greedy and scores.dtype != torch.float32) or drafts.numel() == 0:
-        return reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+        res = reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+        if flag is not None:
+            reference.flag_nan_ratios(res.logq, draft_logp, lengths, flag)
+        return res
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     if greedy:
@@ -117,5 +130,5 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
         logq = scores
         test = torch.exp(logq - draft_logp.to(logq.dtype))  # the reference's ratio, bit for bit
     accept, n_accept, first, best, n_best = torch.ops.sigmafast.decide(test, drafts, uniforms, lengths, greedy,
-                                                                       rule == "paper")
+                                                                       rule == "paper", flag)
     return Acceptance(logq, accept, n_accept, best, first, n_best)

@@ -6,9 +6,11 @@ an ``any``; then an ``or`` of the two checks) and ends with its status (the
 unknown counts, their max, the rows left, the flag: six more ops). An
 autoregressive step checks its logits the same way. Each op is a kernel launch
 in a replayed CUDA graph, where launches, not bytes, set a small model's step
-time; here each group is one kernel. Logits that are sampled are checked by the
-sampling kernel itself (``sampling.sample(..., used=, flag=)``: from each row's
-total, with no second read); this kernel checks the verifier's outputs.
+time; here each group is one kernel. The engine's steps fold the checks further:
+the logits they sample are checked by the sampling kernel itself
+(``sampling.sample(..., used=, flag=)``: from each row's total, with no second
+read), and the verifier's rows by the decisions' kernel (a NaN ratio q/p,
+``decide``); this kernel checks the verifier's outputs of greedy and traced steps.
 
 ``_flag_nonfinite_kernel``, grid (row blocks,): BLOCK_M rows per program, each
 read in BLOCK_N-wide tiles; NaN is counted as +inf (explicitly: ``tl.maximum``

@@ -12,8 +12,9 @@ op                                 inputs -> outputs
                                    -> tokens (N,) int64, float32 log-probs (N,); sets flag when a used
                                    row is not finite
 ``sigmafast::residual_sample``     q_logits, p_logits (N, V), uniforms (N,) -> tokens (N,) int64
-``sigmafast::decide``              q/p ratios (or argmax), drafts, uniforms (B, O, R), lengths (B,)
-                                   -> accept (B, O, R), n_accept, first_reject (B, O), best, n_best (B,)
+``sigmafast::decide``              q/p ratios (or argmax), drafts, uniforms (B, O, R), lengths (B,),
+                                   flag () or None -> accept (B, O, R), n_accept, first_reject (B, O),
+                                   best, n_best (B,); sets flag at a NaN ratio of a valid step
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
                                    weight, bias -> x, LayerNorm(x) (B, G, S, C)
@@ -34,9 +35,9 @@ op                                 inputs -> outputs
 ``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
 =================================  ==========================================================
 
-Every op but ``commit``, ``rotary_``, ``flag_nonfinite`` and ``sample`` is functional: it returns new
-tensors and mutates none of its inputs. ``commit`` declares the session buffers it writes in place
-(``mutates_args``), ``rotary_`` the tensors it rotates, and ``flag_nonfinite`` and ``sample`` their flag.
+Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample`` and ``decide`` is functional: it
+returns new tensors and mutates none of its inputs. ``commit`` declares the session buffers it writes in
+place (``mutates_args``), ``rotary_`` the tensors it rotates, and the last three their flag.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -137,14 +138,14 @@ def _(q_logits, p_logits, uniforms, temperature, top_k=None, block_v=None):
     return q_logits.new_empty(q_logits.shape[0], dtype=torch.int64)
 
 
-@torch.library.custom_op("sigmafast::decide", mutates_args=())
+@torch.library.custom_op("sigmafast::decide", mutates_args=("flag",))
 def _decide(test: Tensor, drafts: Tensor, uniforms: Tensor, lengths: Tensor, greedy: bool,
-            paper: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return decide_launch(test, drafts, uniforms, lengths, greedy, paper)
+            paper: bool, flag: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return decide_launch(test, drafts, uniforms, lengths, greedy, paper, flag)
 
 
 @_decide.register_fake
-def _(test, drafts, uniforms, lengths, greedy, paper):
+def _(test, drafts, uniforms, lengths, greedy, paper, flag=None):
     B, O, R = drafts.shape
     return (drafts.new_empty((B, O, R), dtype=torch.bool), drafts.new_empty((B, O), dtype=torch.int64),
             drafts.new_empty((B, O), dtype=torch.int64), drafts.new_empty((B,), dtype=torch.int64),

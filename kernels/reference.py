@@ -268,6 +268,14 @@ def flag_nonfinite(values, used, flag) -> None:
     flag.logical_or_(nonfinite(values, used))
 
 
+def flag_nan_ratios(logq, draft_logp, lengths, flag) -> None:
+    """Set the () bool ``flag`` in place when the ratio ``exp(log q - log p)`` of a (B, O, R) step below its
+    row's ``lengths`` (B,) is NaN (never clears it): log q is NaN exactly when the verifier's logits row holds
+    a NaN or +inf or has no finite entry (and log p when the draft's does; a drawn draft has log p > -inf)."""
+    valid = torch.arange(logq.shape[-1], device=logq.device) < lengths[:, None, None]  # (B, 1, R)
+    flag.logical_or_((torch.isnan(logq - draft_logp.to(logq.dtype)) & valid).any())
+
+
 def burst_status(known, flag) -> torch.Tensor:
     """(3,) int64 from the (B, T) known mask and the () bool flag: the largest unknown count of a row
     (0 with no rows), the number of rows with one, and 1 if ``flag`` else 0."""

@@ -134,13 +134,15 @@ def along_orders(session, drafts: Drafts, u_accept: torch.Tensor, orders: torch.
 
 
 def accept(session, verified: Verified, along: Along, remaining: torch.Tensor, temperature: float,
-           top_k: Optional[int], rule: str) -> Acceptance:
-    """Test every order's drafts against the verifier (from hidden states when the session has them)."""
+           top_k: Optional[int], rule: str, flag: Optional[torch.Tensor] = None) -> Acceptance:
+    """Test every order's drafts against the verifier (from hidden states when the session has them); with a
+    () ``flag``, also set it when a ratio q/p of a step below ``remaining`` is NaN (its verifier row is not
+    finite; temperature > 0)."""
     args = (along.tokens, along.logp, along.u_accept, remaining, temperature, top_k, rule)
     if verified.hidden is not None:
-        return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, backend=_backend(session),
-                                              vocab_size=session.vocab_size)
-    return kernels.acceptance(verified.logits, *args, backend=_backend(session))
+        return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, flag=flag,
+                                              backend=_backend(session), vocab_size=session.vocab_size)
+    return kernels.acceptance(verified.logits, *args, flag=flag, backend=_backend(session))
 
 
 def verifier_logits(session, verified: Verified, step: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -177,7 +179,10 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     Returns the committed counts (B,), the chosen orders' accepted draft lengths (B,) and
     ``status`` (3,) int64: the largest remaining count, the number of unfinished rows after it,
     and 1 when a draft or verifier output used by this iteration, or by an earlier one of the session,
-    is not finite (else 0: ``session.nonfinite`` is sticky, so no step zeroes a flag).
+    is not finite (else 0: ``session.nonfinite`` is sticky, so no step zeroes a flag). The drafts' logits
+    are checked by their sampling kernel; the verifier's rows by the decisions' kernel (a NaN ratio q/p:
+    a row with a NaN or +inf logit, or none finite), or by ``flag_nonfinite`` on its outputs when greedy
+    or traced.
     """
     slots = Slots(*kernels.draft_slots(session.known, d.u_draft, R, backend=_backend(session)))
     remaining, used = slots.remaining, slots.used  # (B,), (B, R)
@@ -188,8 +193,10 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
     bad = session.nonfinite  # () bool, sticky: the loop stops at the first status that reports it
     backend = _flags_backend(session)
-    kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)  # the drafts': checked by draft()
-    res = accept(session, verified, along, remaining, temperature, top_k, rule)
+    fused = temperature > 0 and not traced()  # the verifier's check in the decisions' kernel (the drafts': draft())
+    if not fused:
+        kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)
+    res = accept(session, verified, along, remaining, temperature, top_k, rule, bad if fused else None)
     choice = res.best  # (B,) lossless: 0, the only order
     if rule == "paper":
         n = n_commit = res.n_best  # (B,)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device
+from helpers import on_triton_device, triton_device
 from sigmafast.kernels import decide as decide_module
 from sigmafast.kernels import reference as ref
 
@@ -103,3 +103,41 @@ def test_a_uniform_equal_to_the_ratio_rejects():
     want = ref.decide(*args, 1.0, "lossless")
     got = decide(*args, 1.0, "lossless")
     assert not want.accept[u < 0.5].any() and torch.equal(got.accept, want.accept)
+
+
+@pytest.mark.parametrize("rule", ["paper", "lossless"])
+@pytest.mark.parametrize("where", ["valid-step", "past-length", "both-inf", "none"])
+@pytest.mark.parametrize("case", CASES[1:3], ids=_ids)
+def test_decide_flags_nan_ratios_of_valid_steps(case, where, rule, poisoned_empty):
+    """With a flag, the kernel sets it exactly as ``reference.flag_nan_ratios`` (a NaN q/p at a step below
+    the row's length: NaN log q, or log q = log p = -inf), and decides as without one."""
+    B, O, R, _ = case
+    for seed in range(2):
+        scores, drafts, draft_logp, uniforms, lengths = _inputs(case, seed)
+        lengths[-1] = R - 2  # row B - 1 has two steps past its length
+        o, r = O - 1, {"past-length": R - 1}.get(where, R // 2)
+        if where in ("valid-step", "past-length"):
+            scores[B - 1, o, r] = float("nan")
+        elif where == "both-inf":
+            scores[B - 1, o, r] = draft_logp[B - 1, o, r] = float("-inf")
+        scores[0, 0, 0] = float("-inf")  # a zero ratio is not flagged
+        want_flag = torch.zeros((), dtype=torch.bool)
+        ref.flag_nan_ratios(scores, draft_logp, lengths, want_flag)
+        assert bool(want_flag) == (where in ("valid-step", "both-inf"))
+        device = triton_device()
+        args = [t.to(device) for t in (scores, drafts, draft_logp, uniforms, lengths)]
+        flag = torch.zeros((), dtype=torch.bool, device=device)
+        flagged = decide_module.decide(*args, 0.9, rule, flag)
+        assert bool(flag) == bool(want_flag)
+        want = ref.decide(scores, drafts, draft_logp, uniforms, lengths, 0.9, rule)
+        for got in (flagged, decide_module.decide(*args, 0.9, rule)):  # with the flag, and without
+            for name in want._fields:
+                torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name), rtol=0, atol=0,
+                                           equal_nan=True, msg=name)
+
+
+def test_decide_never_clears_the_flag():
+    args = [t.to(triton_device()) for t in _inputs((3, 5, 17, "ragged"), 0)]
+    flag = torch.ones((), dtype=torch.bool, device=args[0].device)
+    decide_module.decide(*args, 0.9, "paper", flag)
+    assert bool(flag)

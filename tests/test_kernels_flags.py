@@ -226,6 +226,79 @@ def test_draft_flags_its_used_rows_only():
     assert got == [False, True]
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN logits
+@pytest.mark.parametrize("scoring", ["logits", "hidden"])
+@pytest.mark.parametrize("where", ["used-step", "past-length", "none"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_acceptance_flags_a_non_finite_verifier_row_of_a_used_step(backend, where, scoring):
+    """acceptance(..., flag=) and acceptance_from_hidden(..., flag=): a NaN in the verifier row of a step below
+    its row's length sets the flag (on both backends), one past it does not, and the decisions are unchanged."""
+    from sigmafast import kernels
+
+    B, O, R, V, C = 2, 3, 5, 40, 16
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(B, O, R, C, generator=g), torch.randn(V, C, generator=g) * 0.3
+    drafts = torch.randint(0, V, (B, O, R), generator=g)
+    draft_logp, u = -torch.rand(B, O, R, generator=g) * 3, torch.rand(B, O, R, generator=g)
+    lengths = torch.tensor([R, 3])
+    if where != "none":
+        hidden[1, 2, 1 if where == "used-step" else 4, 7] = float("nan")
+    dev = [t.to(DEVICE) for t in (hidden, weight, drafts, draft_logp, u, lengths)]
+    flag = torch.zeros((), dtype=torch.bool, device=DEVICE)
+    if scoring == "hidden":
+        call = lambda **kw: kernels.acceptance_from_hidden(*dev, 0.9, None, "paper", backend=backend, **kw)  # noqa
+    else:
+        logits = dev[0] @ dev[1].T  # (B, O, R, V)
+        call = lambda **kw: kernels.acceptance(logits, *dev[2:], 0.9, None, "paper", backend=backend, **kw)  # noqa
+    res = call(flag=flag)
+    assert bool(flag) == (where == "used-step")
+    plain = call()
+    for name in plain._fields:
+        torch.testing.assert_close(getattr(res, name), getattr(plain, name), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_acceptance_flag_needs_a_temperature(backend):
+    from sigmafast import kernels
+
+    x = torch.zeros(1, 1, 2, 5)
+    args = (torch.zeros(1, 1, 2, dtype=torch.long), torch.zeros(1, 1, 2), torch.rand(1, 1, 2), torch.tensor([2]))
+    with pytest.raises(ValueError, match="flag needs temperature > 0"):
+        kernels.acceptance(x, *args, 0.0, flag=torch.zeros((), dtype=torch.bool), backend=backend)
+    with pytest.raises(ValueError, match="flag must be a \\(\\) bool"):
+        kernels.acceptance(x, *args, 1.0, flag=torch.zeros(()), backend=backend)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN hidden states
+@pytest.mark.parametrize("step", ["used", "padding"])
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
+def test_burst_step_flags_a_non_finite_verifier_row(step, temperature):
+    """burst_step on the Triton path: a NaN verifier hidden state at a used step sets the status flag (by the
+    decisions' kernel; greedy: by flag_nonfinite), one at a padded step past the remaining count does not."""
+    from sigmafast import steps
+    from sigmafast.engine import NeuralSession
+    from sigmafast.request import draw_burst
+
+    T = 6
+    model = tiny_model(5, T, seed=2, std=0.5, dtype=torch.float32).to(DEVICE)
+    known = torch.zeros(2, T, dtype=torch.bool, device=DEVICE)
+    known[:, :3] = True  # 3 remaining positions per row in a bucket of R = T: steps 3.. are padding
+    session = NeuralSession(model, 2, T, "triton")
+    real = session.verify
+
+    def poisoned(orders, drafts):
+        out = real(orders, drafts)
+        out.hidden[1, 0, 1 if step == "used" else 4, 2] = float("nan")
+        return out
+
+    with torch.no_grad():
+        session.prefill(torch.zeros(2, T, dtype=torch.long, device=DEVICE), known)
+        session.verify = poisoned  # the burst's verification only
+        _, _, status = steps.burst_step(session, draw_burst(torch.Generator().manual_seed(0), 2, 2, T, DEVICE), T,
+                                        temperature, None, "paper")
+    assert int(status[2]) == (step == "used")
+
+
 # (B, T, known kind)
 STATUS_CASES = [
     (1, 0, "none"),
