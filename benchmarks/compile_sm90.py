@@ -130,8 +130,9 @@ def _cases(dtype: torch.dtype):
     yield "visiting orders", lambda: visit.launch(torch.rand(2, 5, 1024, generator=g, dtype=torch.float64), known, 512)
     n_acc, rem = torch.randint(0, 257, (8,), generator=g), torch.randint(0, 300, (8,), generator=g)
     ords = torch.rand(8, 1, 1024, generator=g).argsort(-1)[..., :256][:, 0]
-    yield "lossless residual pick", lambda: lossless.pick_launch(n_acc, rem, ords, ords % 256,
-                                                                 torch.rand(8, 1024, generator=g, dtype=torch.float64))
+    yield "lossless residual pick", lambda: lossless.pick_launch(
+        n_acc, rem, ords, ords % 256, torch.rand(8, 1024, generator=g, dtype=torch.float64),
+        torch.randn(8, 256, 50304, dtype=dtype)[..., :50257], torch.randn(8, 256, 768, dtype=dtype))
     yield "lossless residual splice", lambda: lossless.splice_launch(ords, n_acc, rem, n_acc < rem)
     for D in (64, 128):  # the QKV projection's views (B, O, H, R, D) rotated in place, and an output back
         proj = torch.randn(2, 5, 256, 3 * 12 * D, generator=g).to(dtype)

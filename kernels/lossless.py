@@ -7,8 +7,13 @@ position and uniform, the rejection test; then the comparison with the steps, th
 ``where`` that puts the residual token at step n, a cast and a sum for the
 committed count. On a GPU each is a kernel of the replayed burst iteration.
 
-* ``_residual_pick_kernel``, grid (row tiles,): per row, the step k, its draft's
-  slot, the residual uniform at its position and whether the row rejected;
+* ``_residual_pick_kernel``, grid (row tiles, column tiles): per row, the step k,
+  its draft's slot, the residual uniform at its position and whether the row
+  rejected, and the two rows the residual is drawn from, copied: the draft
+  logits at the slot and the verifier's row (hidden state or logits) at step k
+  (two gathers, and on CUDA a copy: the draft row is written with the source's
+  padded row stride, the stride of the LM head's rows, so that the residual
+  sampler's q and p rows share one stride as it needs);
 * ``_residual_splice_kernel``, grid (rows, step tiles): the order's tokens with
   the residual token at step n, and (row tile 0) the committed counts
   ``n + rejected``.
@@ -26,31 +31,44 @@ import triton.language as tl
 
 from .checks import check_int, check_tensor
 
-BLOCK_B = 64  # rows per program of the pick
+BLOCK_B = 4  # rows per program of the pick
+BLOCK_W = 1024  # row columns per program of the pick's copies
 BLOCK_R = 256  # steps per program of the splice
 
-_PICK = ["B", "R", "s_ob", "s_sb", "s_ub"]
+_PICK = ["B", "R", "s_ob", "s_sb", "s_ub", "W_D", "W_V", "s_db", "s_dr", "s_vb", "s_vr", "s_pd", "s_pv"]
 _SPLICE = ["R", "s_tb"]
+
+
+@triton.jit
+def _copy_rows(SRC, DST, o_b, m_b, row, o_w, W, s_b, s_r, s_out):
+    """Columns o_w (< W) of rows ``row`` (TILE_B,) of the (B, R, W) SRC into the (B, W) rows of DST."""
+    m = m_b[:, None] & (o_w < W)[None, :]
+    x = tl.load(SRC + (o_b * s_b + row * s_r)[:, None] + o_w[None, :], mask=m)
+    tl.store(DST + (o_b * s_out)[:, None] + o_w[None, :], x, mask=m)
 
 
 @triton.jit(do_not_specialize=_PICK, do_not_specialize_on_alignment=["N", "REM"])
 def _residual_pick_kernel(
-    N, REM, ORD, SLOT, U, K_OUT, SLOT_OUT, U_OUT, REJ_OUT,
-    B, R, s_ob, s_sb, s_ub,
-    TILE_B: tl.constexpr,
+    N, REM, ORD, SLOT, U, DRAFT, VERIFIER, K_OUT, SLOT_OUT, U_OUT, REJ_OUT, D_OUT, V_OUT,
+    B, R, s_ob, s_sb, s_ub, W_D, W_V, s_db, s_dr, s_vb, s_vr, s_pd, s_pv,
+    TILE_B: tl.constexpr, TILE_W: tl.constexpr,
 ):
     o_b = tl.program_id(0).to(tl.int64) * TILE_B + tl.arange(0, TILE_B).to(tl.int64)
     m_b = o_b < B
     b_n = tl.load(N + o_b, mask=m_b, other=0).to(tl.int64)
     b_k = tl.minimum(b_n, R - 1)  # the rejected step, or the last one when none was
-    b_slot = tl.load(SLOT + o_b * s_sb + b_k, mask=m_b, other=0)
-    b_pos = tl.load(ORD + o_b * s_ob + b_k, mask=m_b, other=0).to(tl.int64)
-    b_u = tl.load(U + o_b * s_ub + b_pos, mask=m_b, other=0.0)
-    b_rej = b_n < tl.load(REM + o_b, mask=m_b, other=0).to(tl.int64)
-    tl.store(K_OUT + o_b, b_k, mask=m_b)
-    tl.store(SLOT_OUT + o_b, b_slot.to(tl.int64), mask=m_b)
-    tl.store(U_OUT + o_b, b_u, mask=m_b)
-    tl.store(REJ_OUT + o_b, b_rej.to(tl.uint8), mask=m_b)
+    b_slot = tl.load(SLOT + o_b * s_sb + b_k, mask=m_b, other=0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        b_pos = tl.load(ORD + o_b * s_ob + b_k, mask=m_b, other=0).to(tl.int64)
+        b_u = tl.load(U + o_b * s_ub + b_pos, mask=m_b, other=0.0)
+        b_rej = b_n < tl.load(REM + o_b, mask=m_b, other=0).to(tl.int64)
+        tl.store(K_OUT + o_b, b_k, mask=m_b)
+        tl.store(SLOT_OUT + o_b, b_slot, mask=m_b)
+        tl.store(U_OUT + o_b, b_u, mask=m_b)
+        tl.store(REJ_OUT + o_b, b_rej.to(tl.uint8), mask=m_b)
+    o_w = tl.program_id(1).to(tl.int64) * TILE_W + tl.arange(0, TILE_W).to(tl.int64)
+    _copy_rows(DRAFT, D_OUT, o_b, m_b, b_slot, o_w, W_D, s_db, s_dr, s_pd)
+    _copy_rows(VERIFIER, V_OUT, o_b, m_b, b_k, o_w, W_V, s_vb, s_vr, s_pv)
 
 
 @triton.jit(do_not_specialize=_SPLICE, do_not_specialize_on_alignment=["N", "RTOK", "REJ"])
@@ -70,22 +88,37 @@ def _residual_splice_kernel(
         tl.store(N_OUT + i_b, n + tl.load(REJ + i_b).to(tl.int64))
 
 
-def pick_launch(n, remaining, orders, slots, u_residual):
-    """Launch the pick (no checks): (k, slot at k, uniform at k's position, rejected), (B,) each."""
+def rows_like(src: torch.Tensor) -> torch.Tensor:
+    """Empty (B, W) rows for rows of the (B, R, W) ``src``, with its row stride when its rows are unit-stride
+    views of a padded buffer (as the LM head's logits are), else contiguous."""
+    B, _, W = src.shape
+    stride = src.stride(1) if src.stride(-1) == 1 and src.stride(1) >= W else W
+    return torch.empty(B, stride, dtype=src.dtype, device=src.device)[:, :W]
+
+
+def pick_launch(n, remaining, orders, slots, u_residual, drafts, verifier):
+    """Launch the pick (no checks): (k, slot at k, uniform at k's position, rejected), (B,) each, then the
+    draft row at the slot (B, V) and the verifier's row at k (B, X)."""
     B, R = orders.shape
     device = orders.device
     k = torch.empty(B, dtype=torch.int64, device=device)
     slot = torch.empty(B, dtype=torch.int64, device=device)
     u = torch.empty(B, dtype=u_residual.dtype, device=device)
     rejected = torch.empty(B, dtype=torch.bool, device=device)
+    d_row, v_row = rows_like(drafts), rows_like(verifier)
     if B == 0:
-        return k, slot, u, rejected
+        return k, slot, u, rejected, d_row, v_row
     n, remaining = n.contiguous(), remaining.contiguous()  # read at row b
-    _residual_pick_kernel[(triton.cdiv(B, BLOCK_B),)](
-        n, remaining, orders, slots, u_residual, k, slot, u, rejected.view(torch.uint8),
-        B, R, orders.stride(0), slots.stride(0), u_residual.stride(0), TILE_B=BLOCK_B, num_warps=2,
+    drafts, verifier = (t if t.stride(-1) == 1 else t.contiguous() for t in (drafts, verifier))
+    W_D, W_V = drafts.shape[2], verifier.shape[2]
+    grid = (triton.cdiv(B, BLOCK_B), max(1, triton.cdiv(max(W_D, W_V), BLOCK_W)))
+    _residual_pick_kernel[grid](
+        n, remaining, orders, slots, u_residual, drafts, verifier, k, slot, u, rejected.view(torch.uint8),
+        d_row, v_row, B, R, orders.stride(0), slots.stride(0), u_residual.stride(0), W_D, W_V,
+        *drafts.stride()[:2], *verifier.stride()[:2], d_row.stride(0), v_row.stride(0),
+        TILE_B=BLOCK_B, TILE_W=BLOCK_W, num_warps=4,
     )
-    return k, slot, u, rejected
+    return k, slot, u, rejected, d_row, v_row
 
 
 def splice_launch(tokens, n, r_tok, rejected):
@@ -103,13 +136,16 @@ def splice_launch(tokens, n, r_tok, rejected):
     return out, n_commit
 
 
-def residual_pick(n, remaining, orders, slots, u_residual):
-    """Where the lossless rule draws each row's residual token.
+def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
+    """Where the lossless rule draws each row's residual token, and the two rows it draws it from.
 
     n, remaining: (B,) int64, a row's accepted and remaining counts; orders, slots: (B, R) int64, the
-    order's positions and the drafts' slots by step; u_residual: (B, T) float32/float64 by position.
-    Returns k = min(n, R - 1) (B,) int64, the slot at step k (B,) int64, the uniform at step k's position
-    (B,) and rejected = n < remaining (B,) bool; from the ``sigmafast::residual_pick`` op.
+    order's positions and the drafts' slots by step; u_residual: (B, T) float32/float64 by position;
+    drafts: (B, R', V) the draft logits by slot; verifier: (B, R, X) the verifier's outputs by step
+    (hidden states or logits). Returns k = min(n, R - 1) (B,) int64, the slot at step k (B,) int64, the
+    uniform at step k's position (B,), rejected = n < remaining (B,) bool, the draft logits at the slot
+    (B, V) and the verifier's row at step k (B, X), each with its source's row stride when it is padded;
+    from the ``sigmafast::residual_pick`` op.
     """
     if not isinstance(orders, torch.Tensor) or orders.ndim != 2 or orders.shape[1] < 1:
         raise ValueError(f"orders must be a (B, R) tensor with R >= 1, got "
@@ -124,9 +160,15 @@ def residual_pick(n, remaining, orders, slots, u_residual):
         raise ValueError(f"u_residual must be a (B, T) tensor, got "
                          f"{getattr(u_residual, 'shape', type(u_residual).__name__)}")
     check_tensor("u_residual", u_residual, (B, u_residual.shape[1]), (torch.float32, torch.float64), device)
+    for name, t, rows in (("drafts", drafts, None), ("verifier", verifier, R)):
+        if (not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[0] != B or t.shape[2] < 1
+                or (rows is not None and t.shape[1] != rows) or t.shape[1] < 1 or t.device != device):
+            want = f"({B}, {'R' if rows is None else rows}, W)"
+            raise ValueError(f"{name} must be a {want} tensor on {device} with W >= 1, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
-    return torch.ops.sigmafast.residual_pick(n, remaining, orders, slots, u_residual)
+    return torch.ops.sigmafast.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
 
 
 def residual_splice(tokens, n, r_tok, rejected):

@@ -23,8 +23,10 @@ op                                 inputs -> outputs
 ``sigmafast::draft_slots``         known (B, T), uniforms (B, T), R -> positions, uniforms, used (B, R),
                                    remaining (B,)
 ``sigmafast::visit_orders``        keys (B, O, T), known (B, T), R -> orders (B, O, R)
-``sigmafast::residual_pick``       n, remaining (B,), orders, slots (B, R), uniforms (B, T)
-                                   -> step, slot, uniform, rejected (B,): the lossless residual draw
+``sigmafast::residual_pick``       n, remaining (B,), orders, slots (B, R), uniforms (B, T), draft
+                                   logits (B, R', V), verifier rows (B, R, X) -> step, slot, uniform,
+                                   rejected (B,), draft row (B, V), verifier row (B, X): the lossless
+                                   residual draw
 ``sigmafast::residual_splice``     tokens (B, R), n, residual token, rejected (B,) -> tokens, n_commit
 ``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
                                    orders (B, O, S) -> tokens, log-probs, uniforms, slots (B, O, S)
@@ -57,6 +59,7 @@ from .along import launch as gather_drafts_launch
 from .slots import launch as draft_slots_launch
 from .visit import launch as visit_orders_launch
 from .lossless import pick_launch as residual_pick_launch
+from .lossless import rows_like
 from .lossless import splice_launch as residual_splice_launch
 from .rotary import launch as rotary_launch
 from .reference import rotary_ as rotary_reference
@@ -189,16 +192,16 @@ def _(q, k, v, pos_q, pos_k, cos, sin, sign):
 
 
 @torch.library.custom_op("sigmafast::residual_pick", mutates_args=())
-def _residual_pick(n: Tensor, remaining: Tensor, orders: Tensor, slots: Tensor,
-                   u_residual: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return residual_pick_launch(n, remaining, orders, slots, u_residual)
+def _residual_pick(n: Tensor, remaining: Tensor, orders: Tensor, slots: Tensor, u_residual: Tensor,
+                   drafts: Tensor, verifier: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return residual_pick_launch(n, remaining, orders, slots, u_residual, drafts, verifier)
 
 
 @_residual_pick.register_fake
-def _(n, remaining, orders, slots, u_residual):
+def _(n, remaining, orders, slots, u_residual, drafts, verifier):
     B = orders.shape[0]
     return (orders.new_empty(B), orders.new_empty(B), u_residual.new_empty(B),
-            orders.new_empty(B, dtype=torch.bool))
+            orders.new_empty(B, dtype=torch.bool), rows_like(drafts), rows_like(verifier))
 
 
 @torch.library.custom_op("sigmafast::residual_splice", mutates_args=())

@@ -344,12 +344,20 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
             x.copy_(rotate_pairs(x, c.unsqueeze(-3).to(x.dtype), s.unsqueeze(-3).to(x.dtype)))
 
 
-def residual_pick(n, remaining, orders, slots, u_residual):
+def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
     """The lossless rule's residual draw of each row: step k = min(n, R - 1) of the (B, R) order, its draft's
-    slot, the (B, T) uniform at its position, and whether the row rejected (n < remaining)."""
+    slot, the (B, T) uniform at its position, whether the row rejected (n < remaining), and the rows the
+    residual is drawn from: the (B, R', V) draft logits at the slot and the (B, R, X) verifier's at k."""
     k = n.clamp(max=orders.shape[1] - 1)[:, None]  # (B, 1)
     u = u_residual.gather(1, orders.gather(1, k)).squeeze(1)
-    return k.squeeze(1), slots.gather(1, k).squeeze(1), u, n < remaining
+    slot = slots.gather(1, k).squeeze(1)
+    k = k.squeeze(1)
+    return k, slot, u, n < remaining, rows_at(drafts, slot), rows_at(verifier, k)
+
+
+def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B, R, X) rows of ``x`` at the (B,) ``index``: (B, X), one gather."""
+    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
 
 
 def residual_splice(tokens, n, r_tok, rejected):

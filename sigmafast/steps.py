@@ -145,16 +145,12 @@ def accept(session, verified: Verified, along: Along, remaining: torch.Tensor, t
     return kernels.acceptance(verified.logits, *args, flag=flag, backend=_backend(session))
 
 
-def verifier_logits(session, verified: Verified, step: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(B, V) verifier logits of order 0 at the (B,) ``step`` of each row (step 0 when None: a view)."""
-    scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
-    rows = scores[:, 0, 0] if step is None else rows_at(scores[:, 0], step)
+def verifier_logits(session, verified: Verified, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, V) verifier logits of ``rows`` (B, C or V), the verifier's outputs at one step per row (default: step
+    0 of order 0, a view)."""
+    if rows is None:
+        rows = (verified.hidden if verified.hidden is not None else verified.logits)[:, 0, 0]
     return session.head(rows) if verified.hidden is not None else rows
-
-
-def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(B, R, X) rows of ``x`` at the (B,) steps ``index``: (B, X), one gather."""
-    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
 
 
 def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch.Tensor, remaining: torch.Tensor,
@@ -163,11 +159,13 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
     normalize(max(0, q - p)).
 
     Returns the (B,) residual tokens and the (B,) bool mask of rows that rejected."""
-    # k: the rejected step (the last one where none was: unused), slot: its draft's row, u: its uniform
-    k, slot, u, rejected = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0], u_residual,
-                                                 backend=_backend(session))
-    p_rows = rows_at(drafts.logits, slot)  # (B, V) the draft's logits
-    q_rows = verifier_logits(session, verified, k)  # (B, V) the verifier's
+    scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
+    # at step k (the rejected one, the last one where none was: unused): its uniform, the draft's logits row
+    # (B, V) and the verifier's row (B, C or V)
+    _, _, u, rejected, p_rows, v_rows = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0],
+                                                              u_residual, drafts.logits, scores[:, 0],
+                                                              backend=_backend(session))
+    q_rows = verifier_logits(session, verified, v_rows)  # (B, V), the row stride of p_rows on both paths
     tok = kernels.residual_sample(q_rows, p_rows, u, temperature, top_k, backend=_backend(session))
     return tok, rejected
 

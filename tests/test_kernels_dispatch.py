@@ -235,7 +235,8 @@ def test_kernels_are_custom_ops():
                           torch.rand(7, 4, generator=g), torch.rand(7, 4, generator=g)), -1.0),
         "draft_slots": (*_dev(torch.rand(2, 6, generator=g) < 0.5, torch.rand(2, 6, generator=g)), 4),
         "residual_pick": tuple(_dev(torch.tensor([1, 3]), torch.tensor([2, 3]), torch.tensor([[4, 0, 2], [1, 3, 0]]),
-                                    torch.tensor([[0, 2, 1], [2, 0, 1]]), torch.rand(2, 5, generator=g))),
+                                    torch.tensor([[0, 2, 1], [2, 0, 1]]), torch.rand(2, 5, generator=g),
+                                    torch.randn(2, 3, 16, generator=g)[..., :9], torch.randn(2, 3, 4, generator=g))),
         "residual_splice": tuple(_dev(torch.tensor([[4, 0, 2], [1, 3, 0]]), torch.tensor([1, 3]),
                                       torch.tensor([7, 8]), torch.tensor([True, False]))),
     }
