@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .topk import threshold
-from .checks import check_flag, check_residual, check_sampling, check_used_rows
+from .checks import check_residual, check_sampling, check_used_rows
 from .flags import launch as flag_launch
 from .utils import exp_ftz, row_stride
 from .vocab import (

@@ -149,8 +149,13 @@ def verifier_logits(session, verified: Verified, rows: Optional[torch.Tensor] = 
     """(B, V) verifier logits of ``rows`` (B, C or V), the verifier's outputs at one step per row (default: step
     0 of order 0, a view)."""
     if rows is None:
-        rows = (verified.hidden if verified.hidden is not None else verified.logits)[:, 0, 0]
+        rows = outputs(verified)[:, 0, 0]
     return session.head(rows) if verified.hidden is not None else rows
+
+
+def outputs(verified: Verified) -> torch.Tensor:
+    """The verifier's (B, O, R, C or V) outputs: its final hidden states, or its logits (oracles)."""
+    return verified.hidden if verified.hidden is not None else verified.logits
 
 
 def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch.Tensor, remaining: torch.Tensor,
@@ -159,13 +164,12 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
     normalize(max(0, q - p)).
 
     Returns the (B,) residual tokens and the (B,) bool mask of rows that rejected."""
-    scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
     # at step k (the rejected one, the last one where none was: unused): its uniform, the draft's logits row
     # (B, V) and the verifier's row (B, C or V)
     _, _, u, rejected, p_rows, v_rows = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0],
-                                                              u_residual, drafts.logits, scores[:, 0],
+                                                              u_residual, drafts.logits, outputs(verified)[:, 0],
                                                               backend=_backend(session))
-    q_rows = verifier_logits(session, verified, v_rows)  # (B, V), the row stride of p_rows on both paths
+    q_rows = verifier_logits(session, verified, v_rows)  # (B, V): the head's row stride, as the Triton pick's p_rows
     tok = kernels.residual_sample(q_rows, p_rows, u, temperature, top_k, backend=_backend(session))
     return tok, rejected
 
@@ -188,7 +192,7 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     orders = kernels.visit_orders(d.keys, session.known, R, backend=_backend(session))  # (B, O, R)
     along = along_orders(session, drafts, d.u_accept, orders)
     verified = session.verify(orders, along.tokens)
-    scores = verified.hidden if verified.hidden is not None else verified.logits  # (B, O, R, C or V)
+    scores = outputs(verified)  # (B, O, R, C or V)
     bad = session.nonfinite  # () bool, sticky: the loop stops at the first status that reports it
     backend = _flags_backend(session)
     fused = temperature > 0 and not traced()  # the verifier's check in the decisions' kernel (the drafts': draft())
