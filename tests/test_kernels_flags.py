@@ -130,7 +130,8 @@ def test_flag_nonfinite_leaves_values_and_mask_unchanged():
 
 
 # sampling.sample's fused check: (N, V, block_v), (temperature, top_k), used form
-SAMPLE_SHAPES = [(1, 1, None), (5, 7, None), (6, 300, 64), (9, 130, 32)]  # several chunks, a ragged last one
+SAMPLE_SHAPES = [(1, 1, 64), (5, 7, 64), (6, 300, 64), (9, 130, 64)]  # one chunk; several, a ragged last one
+# (one chunk width, so that a GPU run compiles one sampling variant per top-k setting)
 SAMPLE_SETTINGS = [(1.0, None), (0.7, 3), (0.0, None)]  # temperature 0: the flags kernel, no sampling kernel
 USED_FORMS = ["none", "mask", "int64-view"]  # every row; a (N,) bool; a strided bool view (as steps.bool_view)
 
