@@ -241,8 +241,8 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Opti
 
 def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier, *, backend: Optional[str] = None
                   ) -> tuple[torch.Tensor, ...]:
-    """The lossless rule's residual draw per row: the (B,) step, its draft's slot, its uniform, whether the
-    row rejected, and the (B, V) draft row and (B, X) verifier row it is drawn from; see the reference."""
+    """The lossless rule's residual draw per row: its (B,) uniform, whether the row rejected, and the (B, V)
+    draft row and (B, X) verifier row it is drawn from; see the reference."""
     if _resolve(backend, u_residual) == "triton":
         return _triton().lossless.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
     return reference.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)

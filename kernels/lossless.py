@@ -7,9 +7,9 @@ position and uniform, the rejection test; then the comparison with the steps, th
 ``where`` that puts the residual token at step n, a cast and a sum for the
 committed count. On a GPU each is a kernel of the replayed burst iteration.
 
-* ``_residual_pick_kernel``, grid (row tiles, column tiles): per row, the step k,
-  its draft's slot, the residual uniform at its position and whether the row
-  rejected, and the two rows the residual is drawn from, copied: the draft
+* ``_residual_pick_kernel``, grid (row tiles, column tiles): per row, at the step
+  k, the residual uniform of its position and whether the row rejected, and the
+  two rows the residual is drawn from, copied: the draft
   logits at the slot and the verifier's row (hidden state or logits) at step k
   (two gathers, and on CUDA a copy: the draft row is written with the source's
   padded row stride, the stride of the LM head's rows, so that the residual
@@ -49,7 +49,7 @@ def _copy_rows(SRC, DST, o_b, m_b, row, o_w, W, s_b, s_r, s_out):
 
 @triton.jit(do_not_specialize=_PICK, do_not_specialize_on_alignment=["N", "REM"])
 def _residual_pick_kernel(
-    N, REM, ORD, SLOT, U, DRAFT, VERIFIER, K_OUT, SLOT_OUT, U_OUT, REJ_OUT, D_OUT, V_OUT,
+    N, REM, ORD, SLOT, U, DRAFT, VERIFIER, U_OUT, REJ_OUT, D_OUT, V_OUT,
     B, R, s_ob, s_sb, s_ub, W_D, W_V, s_db, s_dr, s_vb, s_vr, s_pd, s_pv,
     TILE_B: tl.constexpr, TILE_W: tl.constexpr,
 ):
@@ -62,8 +62,6 @@ def _residual_pick_kernel(
         b_pos = tl.load(ORD + o_b * s_ob + b_k, mask=m_b, other=0).to(tl.int64)
         b_u = tl.load(U + o_b * s_ub + b_pos, mask=m_b, other=0.0)
         b_rej = b_n < tl.load(REM + o_b, mask=m_b, other=0).to(tl.int64)
-        tl.store(K_OUT + o_b, b_k, mask=m_b)
-        tl.store(SLOT_OUT + o_b, b_slot, mask=m_b)
         tl.store(U_OUT + o_b, b_u, mask=m_b)
         tl.store(REJ_OUT + o_b, b_rej.to(tl.uint8), mask=m_b)
     o_w = tl.program_id(1).to(tl.int64) * TILE_W + tl.arange(0, TILE_W).to(tl.int64)
@@ -97,28 +95,26 @@ def rows_like(src: torch.Tensor) -> torch.Tensor:
 
 
 def pick_launch(n, remaining, orders, slots, u_residual, drafts, verifier):
-    """Launch the pick (no checks): (k, slot at k, uniform at k's position, rejected), (B,) each, then the
-    draft row at the slot (B, V) and the verifier's row at k (B, X)."""
+    """Launch the pick (no checks): at step k, the uniform of its position and rejected, (B,) each, then the
+    draft row at its slot (B, V) and the verifier's row at k (B, X)."""
     B, R = orders.shape
     device = orders.device
-    k = torch.empty(B, dtype=torch.int64, device=device)
-    slot = torch.empty(B, dtype=torch.int64, device=device)
     u = torch.empty(B, dtype=u_residual.dtype, device=device)
     rejected = torch.empty(B, dtype=torch.bool, device=device)
     d_row, v_row = rows_like(drafts), rows_like(verifier)
     if B == 0:
-        return k, slot, u, rejected, d_row, v_row
+        return u, rejected, d_row, v_row
     n, remaining = n.contiguous(), remaining.contiguous()  # read at row b
     drafts, verifier = (t if t.stride(-1) == 1 else t.contiguous() for t in (drafts, verifier))
     W_D, W_V = drafts.shape[2], verifier.shape[2]
     grid = (triton.cdiv(B, BLOCK_B), max(1, triton.cdiv(max(W_D, W_V), BLOCK_W)))
     _residual_pick_kernel[grid](
-        n, remaining, orders, slots, u_residual, drafts, verifier, k, slot, u, rejected.view(torch.uint8),
+        n, remaining, orders, slots, u_residual, drafts, verifier, u, rejected.view(torch.uint8),
         d_row, v_row, B, R, orders.stride(0), slots.stride(0), u_residual.stride(0), W_D, W_V,
         *drafts.stride()[:2], *verifier.stride()[:2], d_row.stride(0), v_row.stride(0),
         TILE_B=BLOCK_B, TILE_W=BLOCK_W, num_warps=4,
     )
-    return k, slot, u, rejected, d_row, v_row
+    return u, rejected, d_row, v_row
 
 
 def splice_launch(tokens, n, r_tok, rejected):
@@ -142,10 +138,10 @@ def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
     n, remaining: (B,) int64, a row's accepted and remaining counts; orders, slots: (B, R) int64, the
     order's positions and the drafts' slots by step; u_residual: (B, T) float32/float64 by position;
     drafts: (B, R', V) the draft logits by slot; verifier: (B, R, X) the verifier's outputs by step
-    (hidden states or logits). Returns k = min(n, R - 1) (B,) int64, the slot at step k (B,) int64, the
-    uniform at step k's position (B,), rejected = n < remaining (B,) bool, the draft logits at the slot
-    (B, V) and the verifier's row at step k (B, X), each with its source's row stride when it is padded;
-    from the ``sigmafast::residual_pick`` op.
+    (hidden states or logits). At step k = min(n, R - 1), returns the uniform of its position (B,),
+    rejected = n < remaining (B,) bool, the draft logits at its slot (B, V) and the verifier's row at k
+    (B, X), the rows with their source's row stride when it is padded; from the ``sigmafast::residual_pick``
+    op.
     """
     if not isinstance(orders, torch.Tensor) or orders.ndim != 2 or orders.shape[1] < 1:
         raise ValueError(f"orders must be a (B, R) tensor with R >= 1, got "

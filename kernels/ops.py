@@ -24,9 +24,8 @@ op                                 inputs -> outputs
                                    remaining (B,)
 ``sigmafast::visit_orders``        keys (B, O, T), known (B, T), R -> orders (B, O, R)
 ``sigmafast::residual_pick``       n, remaining (B,), orders, slots (B, R), uniforms (B, T), draft
-                                   logits (B, R', V), verifier rows (B, R, X) -> step, slot, uniform,
-                                   rejected (B,), draft row (B, V), verifier row (B, X): the lossless
-                                   residual draw
+                                   logits (B, R', V), verifier rows (B, R, X) -> uniform, rejected (B,),
+                                   draft row (B, V), verifier row (B, X): the lossless residual draw
 ``sigmafast::residual_splice``     tokens (B, R), n, residual token, rejected (B,) -> tokens, n_commit
 ``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
                                    orders (B, O, S) -> tokens, log-probs, uniforms, slots (B, O, S)
@@ -193,15 +192,14 @@ def _(q, k, v, pos_q, pos_k, cos, sin, sign):
 
 @torch.library.custom_op("sigmafast::residual_pick", mutates_args=())
 def _residual_pick(n: Tensor, remaining: Tensor, orders: Tensor, slots: Tensor, u_residual: Tensor,
-                   drafts: Tensor, verifier: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   drafts: Tensor, verifier: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return residual_pick_launch(n, remaining, orders, slots, u_residual, drafts, verifier)
 
 
 @_residual_pick.register_fake
 def _(n, remaining, orders, slots, u_residual, drafts, verifier):
     B = orders.shape[0]
-    return (orders.new_empty(B), orders.new_empty(B), u_residual.new_empty(B),
-            orders.new_empty(B, dtype=torch.bool), rows_like(drafts), rows_like(verifier))
+    return u_residual.new_empty(B), orders.new_empty(B, dtype=torch.bool), rows_like(drafts), rows_like(verifier)
 
 
 @torch.library.custom_op("sigmafast::residual_splice", mutates_args=())

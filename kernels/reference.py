@@ -199,10 +199,7 @@ def chosen_order(orders: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
     (B, R) tensor, already one row per batch row, as is."""
     if orders.ndim == 2:
         return orders
-    B, O, R = orders.shape
-    if O == 1:
-        return orders[:, 0]
-    return orders.gather(1, choice[:, None, None].expand(B, 1, R)).squeeze(1)
+    return orders[:, 0] if orders.shape[1] == 1 else rows_at(orders, choice)
 
 
 def write_canvas(canvas, known, chosen, n, tokens) -> None:
@@ -345,14 +342,13 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
 
 
 def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
-    """The lossless rule's residual draw of each row: step k = min(n, R - 1) of the (B, R) order, its draft's
-    slot, the (B, T) uniform at its position, whether the row rejected (n < remaining), and the rows the
-    residual is drawn from: the (B, R', V) draft logits at the slot and the (B, R, X) verifier's at k."""
+    """The lossless rule's residual draw of each row at step k = min(n, R - 1) of the (B, R) order: the (B, T)
+    uniform at its position, whether the row rejected (n < remaining), and the rows the residual is drawn
+    from: the (B, R', V) draft logits at the step's slot and the (B, R, X) verifier's at k."""
     k = n.clamp(max=orders.shape[1] - 1)[:, None]  # (B, 1)
     u = u_residual.gather(1, orders.gather(1, k)).squeeze(1)
     slot = slots.gather(1, k).squeeze(1)
-    k = k.squeeze(1)
-    return k, slot, u, n < remaining, rows_at(drafts, slot), rows_at(verifier, k)
+    return u, n < remaining, rows_at(drafts, slot), rows_at(verifier, k.squeeze(1))
 
 
 def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

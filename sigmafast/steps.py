@@ -166,9 +166,9 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
     Returns the (B,) residual tokens and the (B,) bool mask of rows that rejected."""
     # at step k (the rejected one, the last one where none was: unused): its uniform, the draft's logits row
     # (B, V) and the verifier's row (B, C or V)
-    _, _, u, rejected, p_rows, v_rows = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0],
-                                                              u_residual, drafts.logits, outputs(verified)[:, 0],
-                                                              backend=_backend(session))
+    u, rejected, p_rows, v_rows = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0],
+                                                        u_residual, drafts.logits, outputs(verified)[:, 0],
+                                                        backend=_backend(session))
     q_rows = verifier_logits(session, verified, v_rows)  # (B, V): the head's row stride, as the Triton pick's p_rows
     tok = kernels.residual_sample(q_rows, p_rows, u, temperature, top_k, backend=_backend(session))
     return tok, rejected

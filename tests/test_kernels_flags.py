@@ -136,11 +136,14 @@ SAMPLE_SETTINGS = [(1.0, None), (0.7, 3), (0.0, None)]  # temperature 0: the fla
 USED_FORMS = ["none", "mask", "int64-view"]  # every row; a (N,) bool; a strided bool view (as steps.bool_view)
 
 
-def _used_rows(form, N, g):
-    """``(used, dense)``: the mask passed to sample and the same rows as a contiguous bool (None: every row)."""
+def _used_rows(form, N, g, want_used: bool):
+    """``(used, dense)``: the mask passed to sample and the same rows as a contiguous bool (None: every row),
+    with at least one row whose flag is ``want_used``."""
     if form == "none":
         return None, None
     live = (torch.rand(N, generator=g) < 0.5).long()
+    if not bool((live.bool() == want_used).any()):
+        live[0] = int(want_used)
     if form == "int64-view":
         return live.view(torch.bool)[::8], live.bool()
     return live.bool(), live.bool()
@@ -162,10 +165,8 @@ def test_sample_flags_rows_as_flag_nonfinite(poison, shape, setting, form):
         g = torch.Generator().manual_seed(seed)
         logits = _values((N, V), "strided" if seed == 1 else "contiguous", torch.float32, g)
         u = torch.rand(N, generator=g)
-        used, dense = _used_rows(form, N, g)
-        want_used = dense is None or seed != 1
-        if dense is not None and not bool((dense == want_used).any()):
-            return  # no row of the wanted kind (N = 1)
+        want_used = form == "none" or seed != 1  # seed 1 poisons an unused row
+        used, dense = _used_rows(form, N, g, want_used)
         rows = (torch.ones(N, dtype=torch.bool) if dense is None else dense == want_used).nonzero()[:, 0]
         _poison(logits, int(rows[seed % rows.numel()]), V // 2 if seed else V - 1, poison)
         want = _reference_flag(logits, dense, torch.zeros((), dtype=torch.bool))

@@ -40,7 +40,7 @@ def _inputs(case, seed: int, u_dtype=torch.float64, V=37, X=20):
     return n, remaining, orders, slots, u, drafts, verifier
 
 
-PICKED = ("k", "slot", "u", "rejected", "draft_row", "verifier_row")
+PICKED = ("u", "rejected", "draft_row", "verifier_row")
 
 
 @pytest.mark.parametrize("u_dtype", [torch.float32, torch.float64], ids=["u32", "u64"])
@@ -86,12 +86,11 @@ def test_residual_pick_and_splice_by_hand():
     slots = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 0, 2]])
     n, remaining = torch.tensor([1, 3, 2]), torch.tensor([3, 3, 2])
     u = torch.arange(15, dtype=torch.float32).view(3, 5) / 15
-    k, slot, u_k, rejected, d_row, v_row = residual_pick(n, remaining, orders, slots, u,
-                                                         torch.arange(3 * 3 * 2.0).view(3, 3, 2),
-                                                         torch.arange(3 * 3 * 4.0).view(3, 3, 4))
-    assert d_row.tolist() == [[2, 3], [8, 9], [16, 17]]  # slot 1 of row 0, slot 1 of row 1, slot 2 of row 2
+    u_k, rejected, d_row, v_row = residual_pick(n, remaining, orders, slots, u,
+                                                torch.arange(3 * 3 * 2.0).view(3, 3, 2),
+                                                torch.arange(3 * 3 * 4.0).view(3, 3, 4))
+    assert d_row.tolist() == [[2, 3], [8, 9], [16, 17]]  # the steps' slots: 1 of row 0, 1 of row 1, 2 of row 2
     assert v_row.tolist() == [[4, 5, 6, 7], [20, 21, 22, 23], [32, 33, 34, 35]]  # steps 1, 2, 2
-    assert k.tolist() == [1, 2, 2] and slot.tolist() == [1, 1, 2]
     assert u_k.tolist() == [u[0, 0].item(), u[1, 0].item(), u[2, 1].item()]
     assert rejected.tolist() == [True, False, False]
     tokens = torch.tensor([[7, 8, 9], [7, 8, 9], [7, 8, 9]])
