@@ -74,8 +74,8 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, lossless,
-                                   rotary, sampling, slots, topk, visit)
+    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm,
+                                   linear_norm, lossless, rotary, sampling, slots, topk, visit)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -140,6 +140,14 @@ def _cases(dtype: torch.dtype):
         pos = torch.randint(0, 1025, (2, 5, 256), generator=g)
         cos, sin = (torch.rand(1025, D // 2, generator=g).to(dtype) for _ in range(2))
         yield f"rotary q, k, v D={D}", lambda a=(*qkv, pos, pos, cos, sin): rotary.launch(*a, 1.0)
+    for C in (64, 128, 256):  # the narrow models' sublayer ends (`tiny`, `small`, the widest fused)
+        xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
+        w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
+        proj, fc = (torch.randn(C, 4 * C, generator=g).to(dtype), torch.randn(4 * C, C, generator=g).to(dtype))
+        yield f"projection + add + LayerNorm C={C}", lambda xs=xs, a=(proj[:, :C].contiguous(), b, w, b): (
+            linear_norm.linear_launch(*xs, *a, 1e-5))
+        yield f"MLP + add + LayerNorm C={C}", lambda xs=xs, a=(fc, fc[:, 0].contiguous(), proj, b, w, b): (
+            linear_norm.mlp_launch(*xs, *a, 1e-5))
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

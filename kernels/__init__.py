@@ -7,15 +7,16 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
-``sampling``, ``layer_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
+``sampling``, ``layer_norm``, ``linear_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
 ``visit``, ``along``, ``lossless``, ``flags``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
 so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
-``add_layer_norm``, ``feed_embedding``, ``rotary_``, ``draft_slots``,
-``visit_orders``, ``gather_drafts`` and ``commit`` fuse a step's small ops (a
-residual add and its LayerNorm; the input embedding and the first LayerNorm; a
+``add_layer_norm``, ``linear_add_norm``, ``mlp_add_norm``, ``feed_embedding``,
+``rotary_``, ``draft_slots``, ``visit_orders``, ``gather_drafts`` and ``commit``
+fuse a step's small ops (a residual add and its LayerNorm; a narrow model's
+output projection or MLP with them; the input embedding and the first LayerNorm; a
 layer's RoPE; the slots a burst drafts; its visiting orders; the drafts read
 along the orders; the cache and canvas writes of a commit), as do
 ``residual_pick`` and ``residual_splice`` (the lossless rule's bookkeeping);
@@ -119,6 +120,7 @@ class _Triton(NamedTuple):
     embed: ModuleType
     flags: ModuleType
     layer_norm: ModuleType
+    linear_norm: ModuleType
     lossless: ModuleType
     rotary: ModuleType
     sampling: ModuleType
@@ -130,12 +132,12 @@ def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import (accept, along, attention, commit_step, embed, flags, layer_norm, lossless, rotary, sampling,
-                       slots, visit)
+        from . import (accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless, rotary,
+                       sampling, slots, visit)
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, lossless, rotary, sampling, slots,
-                   visit)
+    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless, rotary,
+                   sampling, slots, visit)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -229,6 +231,25 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     if _resolve(backend, x) == "triton":
         return _triton().layer_norm.add_layer_norm(x, y, weight, bias, eps)
     return reference.add_layer_norm(x, y, weight, bias, eps)
+
+
+def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *,
+                    backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + F.linear(y, weight, bias)`` and its LayerNorm, (..., C) each (the Triton kernel takes
+    C <= 256); see the reference."""
+    if _resolve(backend, x) == "triton":
+        return _triton().linear_norm.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps)
+    return reference.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps)
+
+
+def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5, *,
+                 backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + mlp(h)`` (GELU between the two linears) and its LayerNorm, (..., C) each (the Triton kernel
+    takes C <= 256); see the reference."""
+    if _resolve(backend, x) == "triton":
+        return _triton().linear_norm.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight,
+                                                  norm_bias, eps)
+    return reference.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps)
 
 
 def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Optional[str] = None) -> None:
@@ -335,6 +356,8 @@ __all__ = [
     "feed_embedding",
     "flag_nonfinite",
     "gather_drafts",
+    "linear_add_norm",
+    "mlp_add_norm",
     "residual_pick",
     "residual_sample",
     "residual_splice",

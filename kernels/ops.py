@@ -16,6 +16,10 @@ op                                 inputs -> outputs
                                    flag () or None -> accept (B, O, R), n_accept, first_reject (B, O),
                                    best, n_best (B,); sets flag at a NaN ratio of a valid step
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
+``sigmafast::linear_add_norm``     x (..., C), y (..., K), weight (C, K), bias, LayerNorm weight and bias
+                                   -> x + linear(y), LayerNorm of it (C <= 256)
+``sigmafast::mlp_add_norm``        x, h (..., C), MLP weights and biases, LayerNorm weight and bias
+                                   -> x + mlp(h), LayerNorm of it (C <= 256)
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
                                    weight, bias -> x, LayerNorm(x) (B, G, S, C)
 ``sigmafast::rotary_``             q, k, v (..., H, T, D) (k, v optional), positions (..., T), cos/sin
@@ -68,6 +72,8 @@ from .embed import launch as feed_embedding_launch
 from .flags import launch as flag_nonfinite_launch
 from .flags import status_launch as burst_status_launch
 from .layer_norm import launch as add_layer_norm_launch
+from .linear_norm import linear_launch as linear_add_norm_launch
+from .linear_norm import mlp_launch as mlp_add_norm_launch
 from .sampling import launch
 
 
@@ -162,6 +168,29 @@ def _add_layer_norm(x: Tensor, y: Tensor, weight: Optional[Tensor], bias: Option
 
 @_add_layer_norm.register_fake
 def _(x, y, weight, bias, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("sigmafast::linear_add_norm", mutates_args=())
+def _linear_add_norm(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
+                     norm_bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    return linear_add_norm_launch(x, y, weight, bias, norm_weight, norm_bias, eps)
+
+
+@_linear_add_norm.register_fake
+def _(x, y, weight, bias, norm_weight, norm_bias, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("sigmafast::mlp_add_norm", mutates_args=())
+def _mlp_add_norm(x: Tensor, h: Tensor, fc_weight: Tensor, fc_bias: Optional[Tensor], proj_weight: Tensor,
+                  proj_bias: Optional[Tensor], norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
+                  eps: float) -> tuple[Tensor, Tensor]:
+    return mlp_add_norm_launch(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps)
+
+
+@_mlp_add_norm.register_fake
+def _(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
@@ -280,5 +309,5 @@ def _(known, flag):
 
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "decide", "add_layer_norm", "feed_embedding", "rotary_", "draft_slots", "gather_drafts", "residual_pick",
-       "residual_splice", "commit", "flag_nonfinite", "burst_status")
+       "decide", "add_layer_norm", "linear_add_norm", "mlp_add_norm", "feed_embedding", "rotary_", "draft_slots",
+       "gather_drafts", "residual_pick", "residual_splice", "commit", "flag_nonfinite", "burst_status")

@@ -287,6 +287,21 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5) -> tuple[torch.Tensor
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
+def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_layer_norm(x, F.linear(y, weight, bias), norm_weight, norm_bias, eps)``: the end of an attention
+    sublayer (its output projection, the residual add and the next norm)."""
+    return add_layer_norm(x, F.linear(y, weight, bias), norm_weight, norm_bias, eps)
+
+
+def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_layer_norm(x, mlp(h), norm_weight, norm_bias, eps)`` with ``mlp(h) = F.linear(F.gelu(F.linear(h,
+    fc_weight, fc_bias)), proj_weight, proj_bias)``: the end of an MLP sublayer."""
+    y = F.linear(F.gelu(F.linear(h, fc_weight, fc_bias)), proj_weight, proj_bias)
+    return add_layer_norm(x, y, norm_weight, norm_bias, eps)
+
+
 def feed_inputs(last_tok, last_pos, tokens, orders) -> tuple[torch.Tensor, torch.Tensor]:
     """The (B, G, S) tokens and input positions fed along ``orders``: step s gets step s - 1's token and
     position, step 0 the (B,) last token and position (``tokens`` may be None when S == 1)."""

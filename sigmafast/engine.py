@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .cache import KVCache
-from .model import ScalarGainNorm, add_norm
+from .model import ScalarGainNorm, SublayerEnds
 
 
 HEAD_ALIGN = 64  # on CUDA the LM head's output rows are padded to a multiple of this many logits
@@ -47,13 +47,36 @@ def norm_params(norm: nn.Module, C: int) -> Optional[tuple]:
     return None
 
 
-def fused_add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model.add_norm`` as one Triton kernel (``kernels.add_layer_norm``) where :func:`norm_params`
-    knows the norm."""
-    params = norm_params(norm, x.shape[-1])
-    if params is None:
-        return add_norm(x, y, norm)
-    return kernels.add_layer_norm(x, y, *params, backend="triton")
+class FusedEnds(SublayerEnds):
+    """The sublayer ends as Triton kernels, for steps nothing traces. In a narrow model (C <=
+    ``kernels.checks.FUSED_END_WIDTH``) the output projection or the whole MLP, the residual add and the
+    next norm are one kernel (``kernels.linear_add_norm``, ``kernels.mlp_add_norm``); in a wider one the
+    matmuls stay cuBLAS's and the add + norm is one kernel (``kernels.add_layer_norm``). Modules in
+    training mode (dropout) and norms that :func:`norm_params` does not know run as they are."""
+
+    def attention(self, x, y, attn, rotary, norm):
+        params = norm_params(norm, x.shape[-1])
+        if params is None or attn.training:
+            return super().attention(x, y, attn, rotary, norm)
+        y = attn.merge_heads(y, rotary)
+        if _narrow(x, attn.c_proj):
+            return kernels.linear_add_norm(x, y, attn.c_proj.weight, attn.c_proj.bias, *params, backend="triton")
+        return kernels.add_layer_norm(x, attn.c_proj(y), *params, backend="triton")
+
+    def mlp(self, x, h, mlp, norm):
+        params = norm_params(norm, x.shape[-1])
+        if params is None or mlp.training:
+            return super().mlp(x, h, mlp, norm)
+        if _narrow(x, mlp.c_fc, mlp.c_proj) and (mlp.c_fc.bias is None) == (mlp.c_proj.bias is None):
+            return kernels.mlp_add_norm(x, h, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
+                                        *params, backend="triton")
+        return kernels.add_layer_norm(x, mlp(h), *params, backend="triton")
+
+
+def _narrow(x: torch.Tensor, *layers: nn.Linear) -> bool:
+    """Whether the fused sublayer-end kernels take x's width and these layers' weights."""
+    return x.shape[-1] <= kernels.checks.FUSED_END_WIDTH and all(
+        layer.weight.is_contiguous() and layer.weight.dtype == x.dtype for layer in layers)
 
 
 def traced() -> bool:
@@ -227,7 +250,7 @@ class NeuralSession:
             k_cache, v_cache = cache.layer(i)
             return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        return self.head(model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm(), h=h))
+        return self.head(model.run_layers(x, attend, rotary, ends=self._ends(), h=h))
 
     def rotary(self, in_pos: torch.Tensor, out_pos: torch.Tensor):
         """The model's RoPE of a forward at (..., T) positions (None without one): in-place kernels on the
@@ -239,9 +262,10 @@ class NeuralSession:
             return FusedRotary(in_pos, out_pos, *model.rope_tables(), model.config.rotary_values)
         return model.rotary(in_pos, out_pos)
 
-    def _add_norm(self):
-        """The residual add + norm of this step: fused on the Triton path when nothing traces it."""
-        return fused_add_norm if self.backend == "triton" and not traced() else add_norm
+    def _ends(self) -> Optional[SublayerEnds]:
+        """The sublayer ends of this step: fused on the Triton path when nothing traces it, else the plain
+        ones (None)."""
+        return FusedEnds() if self.backend == "triton" and not traced() else None
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits in the model's dtype (a view of the padded
@@ -271,10 +295,10 @@ class NeuralSession:
         if shared:
             C, H = x.shape[-1], model.config.n_head
             qkv = x.new_empty(model.config.n_layer, B, O, R, 3 * C)
-            hidden = model.run_layers(x, attend, rotary, qkv_out=qkv, add_norm_fn=self._add_norm(), h=h)
+            hidden = model.run_layers(x, attend, rotary, qkv_out=qkv, ends=self._ends(), h=h)
             kv = qkv[..., C:].unflatten(-1, (2, H, C // H)).permute(4, 0, 1, 2, 5, 3, 6)  # (2, L, B, O, H, R, D)
             return Verified(orders, hidden, None, kv[0], kv[1])
-        hidden = model.run_layers(x, attend, rotary, add_norm_fn=self._add_norm(), h=h)  # keys and values stacked once
+        hidden = model.run_layers(x, attend, rotary, ends=self._ends(), h=h)  # keys and values stacked once
         return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:

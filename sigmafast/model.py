@@ -65,13 +65,17 @@ class CausalSelfAttention(nn.Module):
             q, k, v = rotary.apply(q, k, v)
         return q, k, v
 
-    def project(self, y: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
-        """(..., H, T, D) attention output -> (..., T, C) residual update (rotated back by ``rotary``)."""
+    @staticmethod
+    def merge_heads(y: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
+        """(..., H, T, D) attention output -> (..., T, C) input of ``c_proj`` (rotated back by ``rotary``)."""
         if rotary is not None:
             y = rotary.restore(y)
         *lead, H, T, D = y.shape
-        y = y.transpose(-3, -2).reshape(*lead, T, H * D)
-        return self.resid_dropout(self.c_proj(y))
+        return y.transpose(-3, -2).reshape(*lead, T, H * D)
+
+    def project(self, y: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
+        """(..., H, T, D) attention output -> (..., T, C) residual update."""
+        return self.resid_dropout(self.c_proj(self.merge_heads(y, rotary)))
 
     def forward(self, x: torch.Tensor, rotary: Optional[Rotary] = None) -> torch.Tensor:
         q, k, v = self.qkv(x, rotary)  # (B, H, T, D)
@@ -129,13 +133,28 @@ class ScalarGainNorm(nn.Module):
 
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-AddNormFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], tuple[torch.Tensor, torch.Tensor]]
 
 
 def add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual sum ``x + y`` and ``norm`` of it (the unfused :class:`AddNormFn`)."""
+    """The residual sum ``x + y`` and ``norm`` of it."""
     s = x + y
     return s, norm(s)
+
+
+class SublayerEnds:
+    """How :meth:`SigmaGPT.run_layers` ends each sublayer: its output is added to the residual stream x
+    and the norm that follows (the MLP's ``ln_2``, the next block's ``ln_1``, or ``ln_f``) is taken of
+    the sum; each method returns ``(x, norm(x))``. This class runs the modules as they are; the
+    engine's subclass fuses them into kernels where it can."""
+
+    def attention(self, x: torch.Tensor, y: torch.Tensor, attn: CausalSelfAttention, rotary: Optional[Rotary],
+                  norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (..., T, C) and the heads' output y (..., H, T, D), projected by ``attn``."""
+        return add_norm(x, attn.project(y, rotary), norm)
+
+    def mlp(self, x: torch.Tensor, h: torch.Tensor, mlp: MLP, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (..., T, C) and the MLP's input h = ``ln_2(x)``."""
+        return add_norm(x, mlp(h), norm)
 
 
 class SigmaGPT(nn.Module):
@@ -234,28 +253,31 @@ class SigmaGPT(nn.Module):
         return Rotary(*angles, values=self.config.rotary_values)
 
     def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None,
-                   qkv_out: Optional[torch.Tensor] = None, add_norm_fn: AddNormFn = add_norm,
+                   qkv_out: Optional[torch.Tensor] = None, ends: Optional[SublayerEnds] = None,
                    h: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
 
         x is (..., T, C); q, k, v and y are (..., H, T, D), already rotated by
         ``rotary`` (from :meth:`rotary`) when given, and y is rotated back by it. Layer i's QKV
         projection is written into ``qkv_out[i]`` ((n_layer, ..., T, 3C), contiguous) when it is
-        given. Each residual update and the norm that follows it (the next block's ``ln_1``, the
-        MLP's ``ln_2``, or ``ln_f`` after the last) go through ``add_norm_fn(x, update, norm)``, which
-        may fuse them. ``h`` is the first block's ``ln_1(x)`` when the caller computed it with x (a fused
+        given. Each sublayer's end (its output projection or MLP, the residual add and the norm that
+        follows) goes through ``ends`` (a :class:`SublayerEnds`, which may fuse them; the plain one when
+        None). ``h`` is the first block's ``ln_1(x)`` when the caller computed it with x (a fused
         embedding), else None. Returns the final hidden states after ``ln_f``, (..., T, C).
         """
+        ends = SublayerEnds() if ends is None else ends
         blocks = list(self.h)
         if h is None:
             h = blocks[0].ln_1(x)
         for i, block in enumerate(blocks):
             q, k, v = block.attn.qkv(h, rotary, None if qkv_out is None else qkv_out[i])
-            update = block.attn.project(attend(i, q, k, v), rotary)
+            y = attend(i, q, k, v)
+            norm = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f
             if block.has_mlp:
-                x, h = add_norm_fn(x, update, block.ln_2)
-                update = block.mlp(h)
-            x, h = add_norm_fn(x, update, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f)
+                x, h = ends.attention(x, y, block.attn, rotary, block.ln_2)
+                x, h = ends.mlp(x, h, block.mlp, norm)
+            else:
+                x, h = ends.attention(x, y, block.attn, rotary, norm)
         return h
 
     def check_inputs(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> None:

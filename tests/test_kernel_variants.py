@@ -175,7 +175,7 @@ def test_generate_compiles_each_kernel_at_most_twice(pos_encoding):
             assert out.shape == (idx.shape[0], idx.shape[1] + (new or 0))
     _assert_bounded(v, ["_cascade_attn_kernel", "_combine_kernel", "_chunk_stats_kernel", "_residual_mass_kernel",
                         "_sample_kernel", "_residual_kernel", "_commit_kv_kernel", "_commit_state_kernel",
-                        "_add_layer_norm_kernel", "_decide_kernel", "_feed_embedding_kernel",
+                        "_linear_add_norm_kernel", "_mlp_add_norm_kernel", "_decide_kernel", "_feed_embedding_kernel",
                         "_flag_nonfinite_kernel", "_burst_status_kernel", "_gather_drafts_kernel",
                         "_draft_slots_kernel", "_visit_orders_kernel", "_residual_pick_kernel",
                         "_residual_splice_kernel"]

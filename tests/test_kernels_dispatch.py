@@ -215,6 +215,12 @@ def test_kernels_are_custom_ops():
         "commit": _commit_sample(g),
         "add_layer_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g),
                                  torch.rand(16, generator=g), torch.randn(16, generator=g)), 1e-5),
+        "linear_add_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 8, generator=g),
+                                  torch.randn(16, 8, generator=g), torch.randn(16, generator=g),
+                                  torch.rand(16, generator=g)), None, 1e-5),
+        "mlp_add_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g),
+                               torch.randn(40, 16, generator=g), torch.randn(40, generator=g),
+                               torch.randn(16, 40, generator=g), torch.randn(16, generator=g)), None, None, 1e-5),
         "feed_embedding": (*_dev(torch.tensor([1, 4]), torch.tensor([8, 0]), torch.randint(5, (2, 3, 4), generator=g),
                                  torch.randint(0, 9, (2, 3, 4), generator=g), torch.randn(5, 16, generator=g),
                                  torch.randn(9, 8, generator=g), torch.randn(9, 8, generator=g),
@@ -258,6 +264,8 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
                                 torch.randn(V, C, generator=g))
     u, ua, ur = _dev(torch.rand(B * R, generator=g), torch.rand(B, O, R, generator=g), torch.rand(B, generator=g))
     known, u_pos = _dev(torch.rand(B, L, generator=g) < 0.5, torch.rand(B, L, generator=g))
+    w_proj, w_fc, b_fc = _dev(torch.randn(C, C, generator=g), torch.randn(2 * C, C, generator=g),
+                              torch.randn(2 * C, generator=g))
 
     def step(q, k, v, hidden):
         x = kernels.burst_attention(q[:, 0], k[:, 0], v[:, 0], kc, vc, lens, backend="triton")
@@ -275,7 +283,10 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         r_tok = kernels.residual_sample(hidden[:, 0, 0] @ weight.T, p_logits[:, 0], ur, 0.9, backend="triton")
         slots = kernels.draft_slots(known, u_pos, R, backend="triton")
         orders = kernels.visit_orders(ua.new_ones(B, O, L) - u_pos[:, None], known, R, backend="triton")
-        return x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots, orders
+        ends = (*kernels.linear_add_norm(hidden, hidden, w_proj, backend="triton"),
+                *kernels.mlp_add_norm(hidden, hidden, w_fc, b_fc, w_fc.t().contiguous(), b_fc[:C], backend="triton"))
+        return (x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots, orders,
+                *ends)
 
     traced = set()
 
@@ -291,7 +302,7 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     ops = {f"sigmafast.{name}" for name in
            ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample",
-            "draft_slots", "visit_orders")}
+            "draft_slots", "visit_orders", "linear_add_norm", "mlp_add_norm")}
     assert ops <= traced, f"not in the graph: {ops - traced}"
 
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device, tiny_model, triton_device
-from sigmafast.engine import fused_add_norm
+from helpers import on_triton_device
 from sigmafast.kernels import layer_norm
 from sigmafast.kernels import reference as ref
-from sigmafast.model import add_norm
 
 add_layer_norm = on_triton_device(layer_norm.add_layer_norm)
 
@@ -88,23 +86,3 @@ def test_add_layer_norm_rejects_bad_inputs(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         layer_norm.add_layer_norm(**args)
-
-
-@pytest.mark.parametrize("kw", [dict(), dict(final_norm="scalar"), dict(mlp_ratio=0)],
-                         ids=["layernorm", "scalar-final-norm", "attention-only"])
-def test_fused_run_layers_matches_the_unfused_blocks(kw):
-    """run_layers with every residual add + norm fused gives the hidden states of the unfused blocks."""
-    device = triton_device()
-    model = tiny_model(vocab_size=7, block_size=8, dtype=torch.float32, **kw).to(device)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 5, model.config.n_embd, generator=g).to(device)
-
-    def attend(i, q, k, v):  # any attention: causal SDPA within the last two dims
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    with torch.no_grad():
-        want = model.run_layers(x, attend)
-        got = model.run_layers(x, attend, add_norm_fn=fused_add_norm)
-        plain = model.run_layers(x, attend, add_norm_fn=add_norm)
-    assert torch.equal(plain, want)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

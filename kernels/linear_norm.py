@@ -1,0 +1,226 @@
+"""Triton ends of a narrow model's sublayers: the output projection or the whole MLP, the residual add and
+the next LayerNorm, in one kernel each.
+
+A block's sublayer ends with a matmul whose output is added to the residual
+stream and normalised for the next sublayer. Eagerly that is an addmm and the
+fused add + LayerNorm (:mod:`.layer_norm`) after attention, and an addmm, a
+GELU, an addmm and the add + LayerNorm after the MLP: 6 kernels per block.
+In a narrow model (C <= 256, the ``tiny`` and ``small`` presets) they are all
+launch-bound, and a program can hold whole rows, so each end becomes one
+kernel: 2 per block, 4 fewer per block and forward (32 per burst iteration of
+the 4-layer ``small`` model, which runs 8 block forwards).
+
+- ``_linear_add_norm_kernel``: ``s = x + (y W^T + b)``, ``LayerNorm(s)``, with
+  y (N, K) (the attention heads' outputs) and W (C, K) (``c_proj``).
+- ``_mlp_add_norm_kernel``: ``s = x + (gelu(h W1^T + b1) W2^T + b2)``,
+  ``LayerNorm(s)``, with h (N, C), W1 (F, C) and W2 (C, F); the (BLOCK_M, F)
+  hidden activations never leave the program (F streamed in BLOCK_F chunks).
+
+Grid (row blocks,), BLOCK_M = 16 rows per program, BLOCK_C >= C (a power of
+two) columns. Roundings follow the eager ops: each matmul's output (with its
+bias) is rounded to the input dtype, the GELU (exact, erf) is taken in float32
+of that, the sum is rounded, and the LayerNorm's statistics are float32 (the
+shared ``layer_norm.normalize``). float32 dots are "ieee", as torch's matmul
+without TF32. Compiles once per dtype and model (the widths are constexprs;
+the row count and strides are in ``do_not_specialize``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import FUSED_END_WIDTH, check_float, check_same
+from .layer_norm import check_norm, normalize
+
+MAX_WIDTH = FUSED_END_WIDTH  # C: whole rows per program (wider models keep cuBLAS and the add + LayerNorm kernel)
+MAX_INNER = 16384  # K and F
+BLOCK_M = 16
+SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1/sqrt(2), a constexpr: a kernel may read it
+
+
+@triton.jit
+def _add_norm_store(b_y, X, S, H, LW, LB, o_m, o_c, N, s_x, s_w, eps,
+                    C: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """The residual sum of the (BLOCK_M, BLOCK_C) float32 update and rows ``o_m`` of X, stored to S, and its
+    LayerNorm to H (both contiguous (N, C))."""
+    m = (o_m < N)[:, None] & (o_c < C)[None, :]
+    b_y = b_y.to(S.dtype.element_ty).to(tl.float32)  # the eager matmul's output rounding
+    b_x = tl.load(X + o_m[:, None] * s_x + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    b_s = (b_x + b_y).to(S.dtype.element_ty)  # the eager add's rounding
+    tl.store(S + o_m[:, None] * C + o_c[None, :], b_s, mask=m)
+    b_h = normalize(b_s.to(tl.float32), o_c, LW, LB, s_w, eps, C, HAS_W, HAS_B)
+    tl.store(H + o_m[:, None] * C + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w"])
+def _linear_add_norm_kernel(
+    X, Y, W, BIAS, LW, LB, S, H,
+    N, s_x, s_y, s_w, eps,
+    C: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    o_c = tl.arange(0, BLOCK_C).to(tl.int64)
+    m_m, m_c = o_m < N, o_c < C
+    b_acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        m_k = o_k < K
+        b_y = tl.load(Y + o_m[:, None] * s_y + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_wt = tl.load(W + o_c[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_c[None, :], other=0.0)
+        b_acc = tl.dot(b_y, b_wt, b_acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_C)
+    if HAS_BIAS:
+        b_acc += tl.load(BIAS + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    _add_norm_store(b_acc, X, S, H, LW, LB, o_m, o_c, N, s_x, s_w, eps, C, HAS_W, HAS_B)
+
+
+@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w"])
+def _mlp_add_norm_kernel(
+    X, Y, W1, W2, B1, B2, LW, LB, S, H,
+    N, s_x, s_y, s_w, eps,
+    C: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    o_c = tl.arange(0, BLOCK_C).to(tl.int64)
+    m_m, m_c = o_m < N, o_c < C
+    b_h = tl.load(Y + o_m[:, None] * s_y + o_c[None, :], mask=m_m[:, None] & m_c[None, :], other=0.0)
+    b_acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        o_f = f0 + tl.arange(0, BLOCK_F).to(tl.int64)
+        m_f = o_f < F
+        b_w1t = tl.load(W1 + o_f[None, :] * C + o_c[:, None], mask=m_c[:, None] & m_f[None, :], other=0.0)
+        b_a = tl.dot(b_h, b_w1t, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_F) pre-activations
+        if HAS_BIAS:
+            b_a += tl.load(B1 + o_f, mask=m_f, other=0.0).to(tl.float32)[None, :]
+        b_a = b_a.to(Y.dtype.element_ty).to(tl.float32)
+        b_g = (0.5 * b_a * (1.0 + tl.math.erf(b_a * SQRT1_2))).to(W2.dtype.element_ty)  # masked columns: 0
+        b_w2t = tl.load(W2 + o_c[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_c[None, :], other=0.0)
+        b_acc = tl.dot(b_g, b_w2t, b_acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_C)
+    if HAS_BIAS:
+        b_acc += tl.load(B2 + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+    _add_norm_store(b_acc, X, S, H, LW, LB, o_m, o_c, N, s_x, s_w, eps, C, HAS_W, HAS_B)
+
+
+def _blocks(C: int, inner: int) -> tuple[int, int]:
+    """(BLOCK_C, BLOCK_inner): whole rows, and inner chunks of about 8192 weights (at least 16 for tl.dot)."""
+    block_c = max(16, triton.next_power_of_2(C))
+    return block_c, min(max(16, triton.next_power_of_2(inner)), max(16, 8192 // block_c))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., W) -> (N, W) with a unit inner stride (a view when the leading dims collapse)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
+
+
+def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: int):
+    C = x.shape[-1]
+    x2, y2 = _rows(x), _rows(y)
+    N = x2.shape[0]
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return s, h
+    block_c, block_i = _blocks(C, inner)
+    dummy = x2
+    kernel[(triton.cdiv(N, BLOCK_M),)](
+        x2, y2, *weights, *(b if b is not None else dummy for b in biases),
+        norm_weight if norm_weight is not None else dummy, norm_bias if norm_bias is not None else dummy,
+        s.view(N, C), h.view(N, C),
+        N, x2.stride(0), y2.stride(0), norm_weight.stride(0) if norm_weight is not None else 0, float(eps),
+        C, inner, BLOCK_M, block_c, block_i,
+        HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    return s, h
+
+
+def linear_launch(x, y, weight, bias, norm_weight, norm_bias, eps):
+    """Launch the projection's kernel (no input checks): (s, LayerNorm(s)), s = x + linear(y), like x."""
+    return _launch(_linear_add_norm_kernel, x, y, (weight,), (bias,), norm_weight, norm_bias, eps, y.shape[-1])
+
+
+def mlp_launch(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps):
+    """Launch the MLP's kernel (no input checks): (s, LayerNorm(s)), s = x + mlp(h), like x."""
+    return _launch(_mlp_add_norm_kernel, x, h, (fc_weight, proj_weight), (fc_bias, proj_bias), norm_weight,
+                   norm_bias, eps, fc_weight.shape[0])
+
+
+def _check_linear(prefix: str, weight, bias, shape: tuple, ref: torch.Tensor) -> None:
+    """``{prefix}weight``: contiguous ``shape``, and ``{prefix}bias``: (shape[0],) or None, of ref's dtype and
+    device."""
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape or weight.dtype != ref.dtype \
+            or weight.device != ref.device or not weight.is_contiguous():
+        raise ValueError(f"{prefix}weight must be a contiguous {shape} {ref.dtype} tensor on {ref.device}, got "
+                         f"{_describe(weight)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != shape[:1]
+                             or bias.dtype != ref.dtype or bias.device != ref.device or bias.stride(0) != 1):
+        raise ValueError(f"{prefix}bias must be None or a ({shape[0]},) {ref.dtype} tensor on {ref.device} with "
+                         f"unit stride, got {_describe(bias)}")
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_stream(x) -> int:
+    """x (..., C), C <= MAX_WIDTH; returns C."""
+    if not isinstance(x, torch.Tensor) or x.ndim < 1:
+        raise TypeError(f"x must be a (..., C) tensor, got {type(x).__name__}")
+    check_float("x", x, x.ndim)
+    if not 1 <= x.shape[-1] <= MAX_WIDTH:
+        raise ValueError(f"x's last dimension must be in [1, {MAX_WIDTH}] (whole rows per program), got "
+                         f"{x.shape[-1]}")
+    return x.shape[-1]
+
+
+def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``s = x + F.linear(y, weight, bias)`` and ``F.layer_norm(s, (C,), norm_weight,
+    norm_bias, eps)``.
+
+    x: (..., C) float32/float16/bfloat16 with C <= 256; y: (..., K) like x's leading dims and dtype;
+    weight: contiguous (C, K); bias, norm_bias: (C,) or None; norm_weight: (C,) (may be a stride-0
+    expansion of one gain) or None. Returns s and its LayerNorm, (..., C) each in x's dtype, from the
+    ``sigmafast::linear_add_norm`` op.
+    """
+    C = _check_stream(x)
+    if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1] or y.dtype != x.dtype \
+            or y.device != x.device or not 1 <= y.shape[-1] <= MAX_INNER:
+        raise ValueError(f"y must be a {(*x.shape[:-1], 'K')} {x.dtype} tensor on {x.device} with K in "
+                         f"[1, {MAX_INNER}], got {_describe(y)}")
+    _check_linear("", weight, bias, (C, y.shape[-1]), x)
+    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
+    return torch.ops.sigmafast.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, float(eps))
+
+
+def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``s = x + F.linear(F.gelu(F.linear(h, fc_weight, fc_bias)), proj_weight, proj_bias)``
+    and ``F.layer_norm(s, (C,), norm_weight, norm_bias, eps)``.
+
+    x, h: (..., C) float32/float16/bfloat16 with C <= 256, same shape and dtype; fc_weight: contiguous
+    (F, C); proj_weight: contiguous (C, F); fc_bias (F,) and proj_bias (C,) both given or both None;
+    norm_weight, norm_bias as in :func:`linear_add_norm`. Returns s and its LayerNorm, (..., C) each in x's
+    dtype, from the ``sigmafast::mlp_add_norm`` op.
+    """
+    C = _check_stream(x)
+    check_same("h", h, "x", x)
+    if not isinstance(fc_weight, torch.Tensor) or fc_weight.ndim != 2 or not 1 <= fc_weight.shape[0] <= MAX_INNER:
+        raise ValueError(f"fc_weight must be an (F, {C}) tensor with F in [1, {MAX_INNER}], got "
+                         f"{tuple(getattr(fc_weight, 'shape', ()))}")
+    F = fc_weight.shape[0]
+    _check_linear("fc_", fc_weight, fc_bias, (F, C), x)
+    _check_linear("proj_", proj_weight, proj_bias, (C, F), x)
+    if (fc_bias is None) != (proj_bias is None):
+        raise ValueError("fc_bias and proj_bias must be both given or both None")
+    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
+    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
+
+    return torch.ops.sigmafast.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight,
+                                            norm_bias, float(eps))

@@ -1,0 +1,185 @@
+"""Triton sublayer ends (kernels/linear_norm.py) against kernels/reference.py, and the engine's use of them.
+
+Outputs come pre-filled with NaN (``poisoned_empty``), so an element the kernel
+forgets fails. Tolerances per dtype: float32 to 1e-5 (the dots are "ieee");
+float16 against the float32 reference from the same float16 inputs, to a few
+of float16's roundings (the kernel rounds the matmuls' outputs as eager does,
+but accumulates in another order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import on_triton_device, triton_device
+from sigmafast import SigmaGPT, SigmaGPTConfig
+from sigmafast.engine import FusedEnds
+from sigmafast.kernels import linear_norm
+from sigmafast.kernels import reference as ref
+
+linear_add_norm = on_triton_device(linear_norm.linear_add_norm)
+mlp_add_norm = on_triton_device(linear_norm.mlp_add_norm)
+
+# (leading shape, C, inner width K or F, norm, linear biases, layout)
+CASES = [
+    ((1,), 8, 32, "affine", True, "contiguous"),  # one row, narrower than one 16-wide tile
+    ((7,), 24, 40, "no-bias", True, "strided"),  # odd rows and widths, rows of a wider buffer
+    ((2, 3, 5), 64, 256, "scalar-gain", False, "contiguous"),  # (B, O, R) leading dims, one gain (stride 0)
+    ((17,), 100, 300, "none", True, "strided"),  # ragged row block, non-power-of-two C and F
+    ((33,), 128, 512, "affine", True, "contiguous"),  # the `small` preset's widths
+    ((3,), 256, 1024, "affine", False, "contiguous"),  # the widest fused width
+    ((0, 4), 32, 64, "affine", True, "contiguous"),  # no rows
+]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def _ids(case) -> str:
+    lead, C, inner, norm, biases, layout = case
+    return f"{'x'.join(map(str, lead))}-C{C}-I{inner}-{norm}-{'bias' if biases else 'nobias'}-{layout}"
+
+
+def _rows(g, lead, width, dtype, strided, scale=1.0):
+    t = torch.randn(*lead, 2 * width if strided else width, generator=g) * scale
+    return t.to(dtype)[..., :width]
+
+
+def _norm(g, C, kind, dtype):
+    w, b = (torch.rand(C, generator=g) + 0.5).to(dtype), torch.randn(C, generator=g).to(dtype)
+    return {"affine": (w, b), "no-bias": (w, None), "scalar-gain": (w[:1].expand(C), None), "none": (None, None)}[kind]
+
+
+def _linear(g, out, inner, dtype, bias):
+    """Weights of unit-variance outputs, so that both dtypes' tolerances read the same."""
+    w = (torch.randn(out, inner, generator=g) / inner**0.5).to(dtype)
+    return w, torch.randn(out, generator=g).to(dtype) if bias else None
+
+
+def _f32(*ts):
+    return [None if t is None else t.float() for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_linear_add_norm_matches_reference(case, dtype, poisoned_empty):
+    lead, C, K, norm, biases, layout = case
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        x = _rows(g, lead, C, dtype, layout == "strided", 3.0)
+        y = _rows(g, lead, K, dtype, layout == "strided")
+        weight, bias = _linear(g, C, K, dtype, biases)
+        nw, nb = _norm(g, C, norm, dtype)
+        s, h = linear_add_norm(x, y, weight, bias, nw, nb, 1e-5)
+        assert s.shape == x.shape and h.shape == x.shape and s.dtype == dtype and h.dtype == dtype
+        want_s, want_h = ref.linear_add_norm(*_f32(x, y, weight, bias, nw, nb), 1e-5)
+        torch.testing.assert_close(s.float(), want_s, **TOL[dtype])
+        torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_mlp_add_norm_matches_reference(case, dtype, poisoned_empty):
+    lead, C, F, norm, biases, layout = case
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        x = _rows(g, lead, C, dtype, layout == "strided", 3.0)
+        h_in = _rows(g, lead, C, dtype, False)
+        fc_w, fc_b = _linear(g, F, C, dtype, biases)
+        proj_w, proj_b = _linear(g, C, F, dtype, biases)
+        nw, nb = _norm(g, C, norm, dtype)
+        s, h = mlp_add_norm(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb, 1e-5)
+        assert s.shape == x.shape and h.shape == x.shape and s.dtype == dtype and h.dtype == dtype
+        want_s, want_h = ref.mlp_add_norm(*_f32(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb), 1e-5)
+        torch.testing.assert_close(s.float(), want_s, **TOL[dtype])
+        torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+
+
+def test_mlp_add_norm_uses_the_exact_gelu():
+    """An independent check of the activation: one hidden unit, weights of 1, so that x + gelu(h) is read
+    off the sum; erf's GELU, not the tanh approximation (they differ by up to 5e-4 near |h| = 2)."""
+    h = torch.linspace(-4, 4, 33)[:, None].expand(33, 16).contiguous()
+    one = torch.zeros(1, 16)
+    one[0, 0] = 1.0
+    s, _ = mlp_add_norm(torch.zeros(33, 16), h, one, None, one.t().contiguous(), None, None, None, 1e-5)
+    exact = 0.5 * h[:, 0].double() * (1 + torch.erf(h[:, 0].double() / 2**0.5))
+    torch.testing.assert_close(s[:, 0].double(), exact, rtol=0, atol=1e-6)
+    assert torch.equal(s[:, 1:], torch.zeros(33, 15))
+
+
+def _bad(**kw):
+    x = torch.zeros(3, 8)
+    args = dict(x=x, y=torch.zeros(3, 4), weight=torch.zeros(8, 4), bias=None, norm_weight=None, norm_bias=None,
+                eps=1e-5)
+    args.update(kw)
+    return args
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=torch.zeros(3, 300), norm_weight=None), r"x's last dimension must be in \[1, 256\]"),
+    (dict(x=torch.zeros(3, 8, dtype=torch.float64)), "x must be float32"),
+    (dict(y=torch.zeros(2, 4)), r"y must be a \(3, 'K'\) torch.float32 tensor"),
+    (dict(y=torch.zeros(3, 4, dtype=torch.float16)), "y must be a"),
+    (dict(weight=torch.zeros(8, 5)), r"weight must be a contiguous \(8, 4\)"),
+    (dict(weight=torch.zeros(4, 8).t()), "weight must be a contiguous"),
+    (dict(bias=torch.zeros(4)), r"bias must be None or a \(8,\)"),
+    (dict(norm_weight=torch.ones(9)), r"weight must be None or a float \(8,\)"),
+    (dict(eps=0.0), "eps must be a positive float"),
+])
+def test_linear_add_norm_rejects_bad_inputs(bad, match):
+    with pytest.raises(ValueError, match=match):
+        linear_norm.linear_add_norm(**_bad(**bad))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(h=torch.zeros(3, 9)), "h must have the shape of x"),
+    (dict(fc_weight=torch.zeros(16, 9)), r"fc_weight must be a contiguous \(16, 8\)"),
+    (dict(fc_weight=torch.zeros(16)), r"fc_weight must be an \(F, 8\) tensor"),
+    (dict(proj_weight=torch.zeros(16, 8)), r"proj_weight must be a contiguous \(8, 16\)"),
+    (dict(proj_weight=torch.zeros(8, 16, dtype=torch.float16)), "proj_weight must be a contiguous"),
+    (dict(fc_bias=torch.zeros(16)), "fc_bias and proj_bias must be both given or both None"),
+    (dict(fc_bias=torch.zeros(8), proj_bias=torch.zeros(8)), r"fc_bias must be None or a \(16,\)"),
+])
+def test_mlp_add_norm_rejects_bad_inputs(bad, match):
+    args = dict(x=torch.zeros(3, 8), h=torch.zeros(3, 8), fc_weight=torch.zeros(16, 8), fc_bias=None,
+                proj_weight=torch.zeros(8, 16), proj_bias=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        linear_norm.mlp_add_norm(**args)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(final_norm="scalar"), dict(mlp_ratio=0), dict(mlp_ratio=3, bias=False),
+                                dict(n_embd=272)],
+                         ids=["narrow", "scalar-final-norm", "attention-only", "no-bias-ratio-3", "wide"])
+def test_fused_ends_match_the_plain_blocks(kw):
+    """run_layers with the fused sublayer ends (the kernels above; add + LayerNorm alone above 256 channels)
+    gives the hidden states of the plain blocks."""
+    device = triton_device()
+    torch.manual_seed(0)
+    model = SigmaGPT(SigmaGPTConfig(vocab_size=7, block_size=8, n_layer=2, n_head=2, **{"n_embd": 32, **kw})).eval()
+    with torch.no_grad():  # far from the init's near-identity blocks
+        for p in model.parameters():
+            p.normal_(0.0, 0.3 if p.dim() >= 2 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
+    model = model.to(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, model.config.n_embd, generator=g).to(device)
+
+    def attend(i, q, k, v):  # any attention: causal SDPA within the last two dims
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with torch.no_grad():
+        want = model.run_layers(x, attend)
+        got = model.run_layers(x, attend, ends=FusedEnds())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_ends_run_the_modules_in_training_mode():
+    """Dropout is on in training mode: the ends run the modules, whose dropout a fused kernel would skip."""
+    config = SigmaGPTConfig(vocab_size=7, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.5)
+    model = SigmaGPT(config).to(triton_device()).train()
+    x = torch.randn(1, 4, 16, device=triton_device())
+    y = torch.randn(1, 2, 4, 8, device=triton_device())
+    torch.manual_seed(3)
+    want = model.h[0].attn.project(y)
+    torch.manual_seed(3)
+    s, _ = FusedEnds().attention(x, y, model.h[0].attn, None, model.h[0].ln_2)
+    torch.testing.assert_close(s, x + want, rtol=0, atol=0)
