@@ -28,6 +28,7 @@ CASES = [
     ((2, 3, 5), 64, 256, "scalar-gain", False, "contiguous"),  # (B, O, R) leading dims, one gain (stride 0)
     ((17,), 100, 300, "none", True, "strided"),  # ragged row block, non-power-of-two C and F
     ((33,), 128, 512, "affine", True, "contiguous"),  # the `small` preset's widths
+    ((5,), 128, 129, "affine", True, "contiguous"),  # a last inner chunk one wide
     ((3,), 256, 1024, "affine", False, "contiguous"),  # the widest fused width
     ((0, 4), 32, 64, "affine", True, "contiguous"),  # no rows
 ]
