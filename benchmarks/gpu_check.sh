@@ -37,7 +37,7 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile train}; do
     case $part in
     tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
     fused) run fused "${GPU_FUSED_LIMIT:-120}" python -m pytest tests/test_kernels_commit.py \
-        tests/test_kernels_layer_norm.py tests/test_kernels_decide.py \
+        tests/test_kernels_layer_norm.py tests/test_kernels_linear_norm.py tests/test_kernels_decide.py \
         tests/test_kernels_embed.py tests/test_kernels_flags.py tests/test_kernels_along.py tests/test_kernels_slots.py \
         tests/test_kernels_visit.py tests/test_kernels_rotary.py tests/test_kernels_lossless.py \
         tests/test_kernels_row_vectors.py tests/test_kernels_topk.py \
