@@ -233,23 +233,27 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     return reference.add_layer_norm(x, y, weight, bias, eps)
 
 
-def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *,
-                    backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *, next_weight=None,
+                    next_bias=None, next_out=None, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + F.linear(y, weight, bias)`` and its LayerNorm, (..., C) each (the Triton kernel takes
-    C <= 256); see the reference."""
+    C <= 256); with ``next_weight``, the next projection of the LayerNorm into ``next_out``; see the
+    reference."""
+    nxt = dict(next_weight=next_weight, next_bias=next_bias, next_out=next_out)
     if _resolve(backend, x) == "triton":
-        return _triton().linear_norm.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps)
-    return reference.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps)
+        return _triton().linear_norm.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
+    return reference.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
 
 
 def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5, *,
-                 backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 next_weight=None, next_bias=None, next_out=None, backend: Optional[str] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + mlp(h)`` (GELU between the two linears) and its LayerNorm, (..., C) each (the Triton kernel
-    takes C <= 256); see the reference."""
+    takes C <= 256); the next projection as in :func:`linear_add_norm`; see the reference."""
+    args = (x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps)
+    nxt = dict(next_weight=next_weight, next_bias=next_bias, next_out=next_out)
     if _resolve(backend, x) == "triton":
-        return _triton().linear_norm.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight,
-                                                  norm_bias, eps)
-    return reference.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps)
+        return _triton().linear_norm.mlp_add_norm(*args, **nxt)
+    return reference.mlp_add_norm(*args, **nxt)
 
 
 def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Optional[str] = None) -> None:

@@ -16,13 +16,19 @@ the 4-layer ``small`` model, which runs 8 block forwards).
   ``LayerNorm(s)``, with h (N, C), W1 (F, C) and W2 (C, F); the (BLOCK_M, F)
   hidden activations never leave the program (F streamed in BLOCK_F chunks).
 
+Either kernel may also compute the next block's QKV projection of the
+LayerNorm it just took (``next_weight``, written into ``next_out``): the
+sublayer end that feeds a block then takes that block's first matmul too (one
+kernel fewer per block after the first).
+
 Grid (row blocks,), BLOCK_M = 16 rows per program, BLOCK_C >= C (a power of
 two) columns. Roundings follow the eager ops: each matmul's output (with its
 bias) is rounded to the input dtype, the GELU (exact, erf) is taken in float32
 of that, the sum is rounded, and the LayerNorm's statistics are float32 (the
 shared ``layer_norm.normalize``). float32 dots are "ieee", as torch's matmul
 without TF32. Compiles once per dtype and model (the widths are constexprs;
-the row count and strides are in ``do_not_specialize``).
+the row count and strides are in ``do_not_specialize``; with and without the
+next projection are the two variants).
 """
 
 from __future__ import annotations
@@ -41,25 +47,37 @@ SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1/sqrt(2), a constexpr: a kernel m
 
 
 @triton.jit
-def _add_norm_store(b_y, X, S, H, LW, LB, o_m, o_c, N, s_x, s_w, eps,
-                    C: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+def _add_norm_store(b_y, X, S, H, LW, LB, WQ, BQ, Q, o_m, o_c, N, s_x, s_w, s_q, eps,
+                    C: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, Q3: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr):
     """The residual sum of the (BLOCK_M, BLOCK_C) float32 update and rows ``o_m`` of X, stored to S, and its
-    LayerNorm to H (both contiguous (N, C))."""
-    m = (o_m < N)[:, None] & (o_c < C)[None, :]
+    LayerNorm to H (both contiguous (N, C)); with Q3 > 0, also the next block's QKV projection of that
+    LayerNorm, ``H WQ^T + BQ`` (WQ (Q3, C)), stored to rows of Q (row stride s_q) in BLOCK_Q-wide chunks."""
+    m_m, m_c = o_m < N, o_c < C
+    m = m_m[:, None] & m_c[None, :]
     b_y = b_y.to(S.dtype.element_ty).to(tl.float32)  # the eager matmul's output rounding
     b_x = tl.load(X + o_m[:, None] * s_x + o_c[None, :], mask=m, other=0.0).to(tl.float32)
     b_s = (b_x + b_y).to(S.dtype.element_ty)  # the eager add's rounding
     tl.store(S + o_m[:, None] * C + o_c[None, :], b_s, mask=m)
-    b_h = normalize(b_s.to(tl.float32), o_c, LW, LB, s_w, eps, C, HAS_W, HAS_B)
-    tl.store(H + o_m[:, None] * C + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
+    b_h = normalize(b_s.to(tl.float32), o_c, LW, LB, s_w, eps, C, HAS_W, HAS_B).to(H.dtype.element_ty)
+    tl.store(H + o_m[:, None] * C + o_c[None, :], b_h, mask=m)
+    for q0 in range(0, Q3, BLOCK_Q):  # no iteration when Q3 == 0
+        o_q = q0 + tl.arange(0, BLOCK_Q).to(tl.int64)
+        m_q = o_q < Q3
+        b_wt = tl.load(WQ + o_q[None, :] * C + o_c[:, None], mask=m_c[:, None] & m_q[None, :], other=0.0)
+        b_p = tl.dot(b_h, b_wt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_Q)
+        if HAS_QB:
+            b_p += tl.load(BQ + o_q, mask=m_q, other=0.0).to(tl.float32)[None, :]
+        tl.store(Q + o_m[:, None] * s_q + o_q[None, :], b_p.to(Q.dtype.element_ty), mask=m_m[:, None] & m_q[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w"])
+@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w", "s_q"])
 def _linear_add_norm_kernel(
-    X, Y, W, BIAS, LW, LB, S, H,
-    N, s_x, s_y, s_w, eps,
+    X, Y, W, BIAS, LW, LB, S, H, WQ, BQ, Q,
+    N, s_x, s_y, s_w, s_q, eps,
     C: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, Q3: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C).to(tl.int64)
@@ -73,15 +91,17 @@ def _linear_add_norm_kernel(
         b_acc = tl.dot(b_y, b_wt, b_acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_C)
     if HAS_BIAS:
         b_acc += tl.load(BIAS + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    _add_norm_store(b_acc, X, S, H, LW, LB, o_m, o_c, N, s_x, s_w, eps, C, HAS_W, HAS_B)
+    _add_norm_store(b_acc, X, S, H, LW, LB, WQ, BQ, Q, o_m, o_c, N, s_x, s_w, s_q, eps, C, HAS_W, HAS_B, Q3, BLOCK_Q,
+                    HAS_QB, DOT_PREC)
 
 
-@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w"])
+@triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w", "s_q"])
 def _mlp_add_norm_kernel(
-    X, Y, W1, W2, B1, B2, LW, LB, S, H,
-    N, s_x, s_y, s_w, eps,
+    X, Y, W1, W2, B1, B2, LW, LB, S, H, WQ, BQ, Q,
+    N, s_x, s_y, s_w, s_q, eps,
     C: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, Q3: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C).to(tl.int64)
@@ -101,7 +121,8 @@ def _mlp_add_norm_kernel(
         b_acc = tl.dot(b_g, b_w2t, b_acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_C)
     if HAS_BIAS:
         b_acc += tl.load(B2 + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-    _add_norm_store(b_acc, X, S, H, LW, LB, o_m, o_c, N, s_x, s_w, eps, C, HAS_W, HAS_B)
+    _add_norm_store(b_acc, X, S, H, LW, LB, WQ, BQ, Q, o_m, o_c, N, s_x, s_w, s_q, eps, C, HAS_W, HAS_B, Q3, BLOCK_Q,
+                    HAS_QB, DOT_PREC)
 
 
 def _blocks(C: int, inner: int) -> tuple[int, int]:
@@ -116,7 +137,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
 
 
-def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: int):
+def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: int, next_weight, next_bias, next_out):
     C = x.shape[-1]
     x2, y2 = _rows(x), _rows(y)
     N = x2.shape[0]
@@ -125,28 +146,36 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
     if N == 0:
         return s, h
     block_c, block_i = _blocks(C, inner)
+    q3 = 0 if next_weight is None else next_weight.shape[0]
+    q2 = x2 if next_out is None else next_out.view(N, q3)
     dummy = x2
     kernel[(triton.cdiv(N, BLOCK_M),)](
         x2, y2, *weights, *(b if b is not None else dummy for b in biases),
         norm_weight if norm_weight is not None else dummy, norm_bias if norm_bias is not None else dummy,
-        s.view(N, C), h.view(N, C),
-        N, x2.stride(0), y2.stride(0), norm_weight.stride(0) if norm_weight is not None else 0, float(eps),
-        C, inner, BLOCK_M, block_c, block_i,
-        HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None,
+        s.view(N, C), h.view(N, C), next_weight if next_weight is not None else dummy,
+        next_bias if next_bias is not None else dummy, q2,
+        N, x2.stride(0), y2.stride(0), norm_weight.stride(0) if norm_weight is not None else 0, q2.stride(0),
+        float(eps), C, inner, BLOCK_M, block_c, block_i,
+        HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, Q3=q3,
+        BLOCK_Q=_blocks(C, max(q3, 1))[1], HAS_QB=next_bias is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
     )
     return s, h
 
 
-def linear_launch(x, y, weight, bias, norm_weight, norm_bias, eps):
-    """Launch the projection's kernel (no input checks): (s, LayerNorm(s)), s = x + linear(y), like x."""
-    return _launch(_linear_add_norm_kernel, x, y, (weight,), (bias,), norm_weight, norm_bias, eps, y.shape[-1])
+def linear_launch(x, y, weight, bias, norm_weight, norm_bias, eps, next_weight=None, next_bias=None, next_out=None):
+    """Launch the projection's kernel (no input checks): (s, LayerNorm(s)), s = x + linear(y), like x; writes
+    ``next_out`` when ``next_weight`` is given."""
+    return _launch(_linear_add_norm_kernel, x, y, (weight,), (bias,), norm_weight, norm_bias, eps, y.shape[-1],
+                   next_weight, next_bias, next_out)
 
 
-def mlp_launch(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps):
-    """Launch the MLP's kernel (no input checks): (s, LayerNorm(s)), s = x + mlp(h), like x."""
+def mlp_launch(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps, next_weight=None,
+               next_bias=None, next_out=None):
+    """Launch the MLP's kernel (no input checks): (s, LayerNorm(s)), s = x + mlp(h), like x; writes
+    ``next_out`` when ``next_weight`` is given."""
     return _launch(_mlp_add_norm_kernel, x, h, (fc_weight, proj_weight), (fc_bias, proj_bias), norm_weight,
-                   norm_bias, eps, fc_weight.shape[0])
+                   norm_bias, eps, fc_weight.shape[0], next_weight, next_bias, next_out)
 
 
 def _check_linear(prefix: str, weight, bias, shape: tuple, ref: torch.Tensor) -> None:
@@ -177,15 +206,42 @@ def _check_stream(x) -> int:
     return x.shape[-1]
 
 
-def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_next(next_weight, next_bias, next_out, x: torch.Tensor) -> None:
+    """The optional next projection: a contiguous (Q, C) weight, a (Q,) bias or None, and a (..., Q) output
+    with x's leading dims whose rows are one strided (N, Q) view; all three None without one."""
+    if next_weight is None:
+        if next_bias is not None or next_out is not None:
+            raise ValueError("next_bias and next_out need a next_weight")
+        return
+    if not isinstance(next_weight, torch.Tensor) or next_weight.ndim != 2 \
+            or not 1 <= next_weight.shape[0] <= MAX_INNER:
+        raise ValueError(f"next_weight must be a (Q, {x.shape[-1]}) tensor with Q in [1, {MAX_INNER}], got "
+                         f"{_describe(next_weight)}")
+    Q = next_weight.shape[0]
+    _check_linear("next_", next_weight, next_bias, (Q, x.shape[-1]), x)
+    want = (*x.shape[:-1], Q)
+    if not isinstance(next_out, torch.Tensor) or tuple(next_out.shape) != want or next_out.dtype != x.dtype \
+            or next_out.device != x.device or (next_out.numel() and next_out.stride(-1) != 1):
+        raise ValueError(f"next_out must be a {want} {x.dtype} tensor on {x.device} with unit inner stride, got "
+                         f"{_describe(next_out)}")
+    try:
+        next_out.view(-1, Q)
+    except RuntimeError:
+        raise ValueError(f"next_out's rows must be one strided (N, {Q}) view, got strides "
+                         f"{next_out.stride()}") from None
+
+
+def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *, next_weight=None,
+                    next_bias=None, next_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum ``s = x + F.linear(y, weight, bias)`` and ``F.layer_norm(s, (C,), norm_weight,
     norm_bias, eps)``.
 
     x: (..., C) float32/float16/bfloat16 with C <= 256; y: (..., K) like x's leading dims and dtype;
     weight: contiguous (C, K); bias, norm_bias: (C,) or None; norm_weight: (C,) (may be a stride-0
     expansion of one gain) or None. Returns s and its LayerNorm, (..., C) each in x's dtype, from the
-    ``sigmafast::linear_add_norm`` op.
+    ``sigmafast::linear_add_norm`` op. With ``next_weight`` (contiguous (Q, C), the next block's QKV
+    projection) and ``next_bias`` ((Q,) or None), also writes ``F.linear(LayerNorm(s), next_weight,
+    next_bias)`` into ``next_out`` ((..., Q), rows of one stride).
     """
     C = _check_stream(x)
     if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1] or y.dtype != x.dtype \
@@ -194,20 +250,22 @@ def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, e
                          f"[1, {MAX_INNER}], got {_describe(y)}")
     _check_linear("", weight, bias, (C, y.shape[-1]), x)
     norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
+    _check_next(next_weight, next_bias, next_out, x)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
-    return torch.ops.sigmafast.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, float(eps))
+    return torch.ops.sigmafast.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, float(eps), next_weight,
+                                               next_bias, next_out)
 
 
-def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5, *,
+                 next_weight=None, next_bias=None, next_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum ``s = x + F.linear(F.gelu(F.linear(h, fc_weight, fc_bias)), proj_weight, proj_bias)``
     and ``F.layer_norm(s, (C,), norm_weight, norm_bias, eps)``.
 
     x, h: (..., C) float32/float16/bfloat16 with C <= 256, same shape and dtype; fc_weight: contiguous
     (F, C); proj_weight: contiguous (C, F); fc_bias (F,) and proj_bias (C,) both given or both None;
-    norm_weight, norm_bias as in :func:`linear_add_norm`. Returns s and its LayerNorm, (..., C) each in x's
-    dtype, from the ``sigmafast::mlp_add_norm`` op.
+    norm_weight, norm_bias and the optional next projection as in :func:`linear_add_norm`. Returns s and
+    its LayerNorm, (..., C) each in x's dtype, from the ``sigmafast::mlp_add_norm`` op.
     """
     C = _check_stream(x)
     check_same("h", h, "x", x)
@@ -220,7 +278,8 @@ def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=N
     if (fc_bias is None) != (proj_bias is None):
         raise ValueError("fc_bias and proj_bias must be both given or both None")
     norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
+    _check_next(next_weight, next_bias, next_out, x)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight,
-                                            norm_bias, float(eps))
+                                            norm_bias, float(eps), next_weight, next_bias, next_out)

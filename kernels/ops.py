@@ -16,10 +16,11 @@ op                                 inputs -> outputs
                                    flag () or None -> accept (B, O, R), n_accept, first_reject (B, O),
                                    best, n_best (B,); sets flag at a NaN ratio of a valid step
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
-``sigmafast::linear_add_norm``     x (..., C), y (..., K), weight (C, K), bias, LayerNorm weight and bias
-                                   -> x + linear(y), LayerNorm of it (C <= 256)
-``sigmafast::mlp_add_norm``        x, h (..., C), MLP weights and biases, LayerNorm weight and bias
-                                   -> x + mlp(h), LayerNorm of it (C <= 256)
+``sigmafast::linear_add_norm``     x (..., C), y (..., K), weight (C, K), bias, LayerNorm weight and bias,
+                                   next projection's weight, bias and output or None -> x + linear(y),
+                                   LayerNorm of it (C <= 256); writes the next projection of the latter
+``sigmafast::mlp_add_norm``        x, h (..., C), MLP weights and biases, then as ``linear_add_norm``
+                                   -> x + mlp(h), LayerNorm of it (C <= 256); writes the next projection
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
                                    weight, bias -> x, LayerNorm(x) (B, G, S, C)
 ``sigmafast::rotary_``             q, k, v (..., H, T, D) (k, v optional), positions (..., T), cos/sin
@@ -40,9 +41,10 @@ op                                 inputs -> outputs
 ``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
 =================================  ==========================================================
 
-Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample`` and ``decide`` is functional: it
-returns new tensors and mutates none of its inputs. ``commit`` declares the session buffers it writes in
-place (``mutates_args``), ``rotary_`` the tensors it rotates, and the last three their flag.
+Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample``, ``decide``, ``linear_add_norm`` and
+``mlp_add_norm`` is functional: it returns new tensors and mutates none of its inputs. ``commit`` declares
+the session buffers it writes in place (``mutates_args``), ``rotary_`` the tensors it rotates, the next three
+their flag, and the last two the next projection's output.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -171,26 +173,30 @@ def _(x, y, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-@torch.library.custom_op("sigmafast::linear_add_norm", mutates_args=())
+@torch.library.custom_op("sigmafast::linear_add_norm", mutates_args=("next_out",))
 def _linear_add_norm(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor],
-                     norm_bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
-    return linear_add_norm_launch(x, y, weight, bias, norm_weight, norm_bias, eps)
+                     norm_bias: Optional[Tensor], eps: float, next_weight: Optional[Tensor],
+                     next_bias: Optional[Tensor], next_out: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return linear_add_norm_launch(x, y, weight, bias, norm_weight, norm_bias, eps, next_weight, next_bias, next_out)
 
 
 @_linear_add_norm.register_fake
-def _(x, y, weight, bias, norm_weight, norm_bias, eps):
+def _(x, y, weight, bias, norm_weight, norm_bias, eps, next_weight, next_bias, next_out):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-@torch.library.custom_op("sigmafast::mlp_add_norm", mutates_args=())
+@torch.library.custom_op("sigmafast::mlp_add_norm", mutates_args=("next_out",))
 def _mlp_add_norm(x: Tensor, h: Tensor, fc_weight: Tensor, fc_bias: Optional[Tensor], proj_weight: Tensor,
                   proj_bias: Optional[Tensor], norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
-                  eps: float) -> tuple[Tensor, Tensor]:
-    return mlp_add_norm_launch(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps)
+                  eps: float, next_weight: Optional[Tensor], next_bias: Optional[Tensor],
+                  next_out: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return mlp_add_norm_launch(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps,
+                               next_weight, next_bias, next_out)
 
 
 @_mlp_add_norm.register_fake
-def _(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps):
+def _(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps, next_weight, next_bias,
+      next_out):
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 

@@ -287,19 +287,23 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5) -> tuple[torch.Tensor
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
-def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *, next_weight=None,
+                    next_bias=None, next_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_layer_norm(x, F.linear(y, weight, bias), norm_weight, norm_bias, eps)``: the end of an attention
-    sublayer (its output projection, the residual add and the next norm)."""
-    return add_layer_norm(x, F.linear(y, weight, bias), norm_weight, norm_bias, eps)
+    sublayer (its output projection, the residual add and the next norm). With ``next_weight``, also
+    ``next_out[:] = F.linear(norm, next_weight, next_bias)`` (the next block's QKV projection)."""
+    s, h = add_layer_norm(x, F.linear(y, weight, bias), norm_weight, norm_bias, eps)
+    if next_weight is not None:
+        next_out.copy_(F.linear(h, next_weight, next_bias))
+    return s, h
 
 
-def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_layer_norm(x, mlp(h), norm_weight, norm_bias, eps)`` with ``mlp(h) = F.linear(F.gelu(F.linear(h,
-    fc_weight, fc_bias)), proj_weight, proj_bias)``: the end of an MLP sublayer."""
-    y = F.linear(F.gelu(F.linear(h, fc_weight, fc_bias)), proj_weight, proj_bias)
-    return add_layer_norm(x, y, norm_weight, norm_bias, eps)
+def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5, *,
+                 next_weight=None, next_bias=None, next_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear_add_norm(x, F.gelu(F.linear(h, fc_weight, fc_bias)), proj_weight, proj_bias, ...)``: the end
+    of an MLP sublayer."""
+    return linear_add_norm(x, F.gelu(F.linear(h, fc_weight, fc_bias)), proj_weight, proj_bias, norm_weight,
+                           norm_bias, eps, next_weight=next_weight, next_bias=next_bias, next_out=next_out)
 
 
 def feed_inputs(last_tok, last_pos, tokens, orders) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,34 +49,49 @@ def norm_params(norm: nn.Module, C: int) -> Optional[tuple]:
 
 class FusedEnds(SublayerEnds):
     """The sublayer ends as Triton kernels, for steps nothing traces. In a narrow model (C <=
-    ``kernels.checks.FUSED_END_WIDTH``) the output projection or the whole MLP, the residual add and the
-    next norm are one kernel (``kernels.linear_add_norm``, ``kernels.mlp_add_norm``); in a wider one the
-    matmuls stay cuBLAS's and the add + norm is one kernel (``kernels.add_layer_norm``). Modules in
-    training mode (dropout) and norms that :func:`norm_params` does not know run as they are."""
+    ``kernels.checks.FUSED_END_WIDTH``) the output projection or the whole MLP, the residual add, the
+    next norm and the next block's QKV projection are one kernel (``kernels.linear_add_norm``,
+    ``kernels.mlp_add_norm``); in a wider one the matmuls stay cuBLAS's and the add + norm is one kernel
+    (``kernels.add_layer_norm``). Modules in training mode (dropout) and norms that :func:`norm_params`
+    does not know run as they are."""
 
-    def attention(self, x, y, attn, rotary, norm):
+    def attention(self, x, y, attn, rotary, norm, next_qkv=None, qkv_out=None):
         params = norm_params(norm, x.shape[-1])
         if params is None or attn.training:
             return super().attention(x, y, attn, rotary, norm)
         y = attn.merge_heads(y, rotary)
-        if _narrow(x, attn.c_proj):
-            return kernels.linear_add_norm(x, y, attn.c_proj.weight, attn.c_proj.bias, *params, backend="triton")
-        return kernels.add_layer_norm(x, attn.c_proj(y), *params, backend="triton")
+        if not _narrow(x, attn.c_proj):
+            return (*kernels.add_layer_norm(x, attn.c_proj(y), *params, backend="triton"), None)
+        nxt = _next_projection(x, next_qkv, qkv_out)
+        s, h = kernels.linear_add_norm(x, y, attn.c_proj.weight, attn.c_proj.bias, *params, **nxt, backend="triton")
+        return s, h, nxt.get("next_out")
 
-    def mlp(self, x, h, mlp, norm):
+    def mlp(self, x, h, mlp, norm, next_qkv=None, qkv_out=None):
         params = norm_params(norm, x.shape[-1])
         if params is None or mlp.training:
             return super().mlp(x, h, mlp, norm)
-        if _narrow(x, mlp.c_fc, mlp.c_proj) and (mlp.c_fc.bias is None) == (mlp.c_proj.bias is None):
-            return kernels.mlp_add_norm(x, h, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
-                                        *params, backend="triton")
-        return kernels.add_layer_norm(x, mlp(h), *params, backend="triton")
+        if not (_narrow(x, mlp.c_fc, mlp.c_proj) and (mlp.c_fc.bias is None) == (mlp.c_proj.bias is None)):
+            return (*kernels.add_layer_norm(x, mlp(h), *params, backend="triton"), None)
+        nxt = _next_projection(x, next_qkv, qkv_out)
+        s, h = kernels.mlp_add_norm(x, h, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
+                                    *params, **nxt, backend="triton")
+        return s, h, nxt.get("next_out")
 
 
 def _narrow(x: torch.Tensor, *layers: nn.Linear) -> bool:
     """Whether the fused sublayer-end kernels take x's width and these layers' weights."""
     return x.shape[-1] <= kernels.checks.FUSED_END_WIDTH and all(
         layer.weight.is_contiguous() and layer.weight.dtype == x.dtype for layer in layers)
+
+
+def _next_projection(x: torch.Tensor, layer: Optional[nn.Linear], out: Optional[torch.Tensor]) -> dict:
+    """The fused ends' next-projection arguments: ``layer`` (the next block's ``c_attn``, or None) and its
+    output, ``out`` or a new (..., 3C) tensor; none when there is no layer or the kernel cannot take it."""
+    if layer is None or not _narrow(x, layer):
+        return {}
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], layer.weight.shape[0])
+    return dict(next_weight=layer.weight, next_bias=layer.bias, next_out=out)
 
 
 def traced() -> bool:

@@ -57,8 +57,14 @@ class CausalSelfAttention(nn.Module):
             out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., T, C) -> q, k, v each (..., H, T, D), rotated as ``rotary`` says when it is given; the
         projection is written into ``out`` (..., T, 3C), contiguous, when it is given."""
-        *lead, T, C = x.shape
-        q, k, v = (self.c_attn(x) if out is None else linear_into(x, self.c_attn, out)).split(C, dim=-1)
+        return self.heads(self.c_attn(x) if out is None else linear_into(x, self.c_attn, out), rotary)
+
+    def heads(self, proj: torch.Tensor, rotary: Optional[Rotary] = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (..., T, 3C) QKV projection -> q, k, v each (..., H, T, D) (views of it unless ``rotary``
+        rotates them out of place)."""
+        *lead, T, C3 = proj.shape
+        q, k, v = proj.split(C3 // 3, dim=-1)
         shape = (*lead, T, self.n_head, self.head_dim)
         q, k, v = (t.view(shape).transpose(-3, -2) for t in (q, k, v))
         if rotary is not None:
@@ -141,20 +147,27 @@ def add_norm(x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> tuple[torch.T
     return s, norm(s)
 
 
+Ended = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
+
 class SublayerEnds:
     """How :meth:`SigmaGPT.run_layers` ends each sublayer: its output is added to the residual stream x
     and the norm that follows (the MLP's ``ln_2``, the next block's ``ln_1``, or ``ln_f``) is taken of
-    the sum; each method returns ``(x, norm(x))``. This class runs the modules as they are; the
-    engine's subclass fuses them into kernels where it can."""
+    the sum. Each method returns ``(x, norm(x), qkv)``: when the norm feeds a block, ``next_qkv`` is that
+    block's ``c_attn``, and an end may apply it to ``norm(x)`` as well (into ``qkv_out`` when given) and
+    return the result as ``qkv``; None means the caller applies it. This class runs the modules as they are
+    (``qkv`` always None); the engine's subclass fuses them into kernels where it can."""
 
     def attention(self, x: torch.Tensor, y: torch.Tensor, attn: CausalSelfAttention, rotary: Optional[Rotary],
-                  norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+                  norm: nn.Module, next_qkv: Optional[nn.Linear] = None,
+                  qkv_out: Optional[torch.Tensor] = None) -> Ended:
         """x (..., T, C) and the heads' output y (..., H, T, D), projected by ``attn``."""
-        return add_norm(x, attn.project(y, rotary), norm)
+        return (*add_norm(x, attn.project(y, rotary), norm), None)
 
-    def mlp(self, x: torch.Tensor, h: torch.Tensor, mlp: MLP, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp(self, x: torch.Tensor, h: torch.Tensor, mlp: MLP, norm: nn.Module, next_qkv: Optional[nn.Linear] = None,
+            qkv_out: Optional[torch.Tensor] = None) -> Ended:
         """x (..., T, C) and the MLP's input h = ``ln_2(x)``."""
-        return add_norm(x, mlp(h), norm)
+        return (*add_norm(x, mlp(h), norm), None)
 
 
 class SigmaGPT(nn.Module):
@@ -261,23 +274,27 @@ class SigmaGPT(nn.Module):
         ``rotary`` (from :meth:`rotary`) when given, and y is rotated back by it. Layer i's QKV
         projection is written into ``qkv_out[i]`` ((n_layer, ..., T, 3C), contiguous) when it is
         given. Each sublayer's end (its output projection or MLP, the residual add and the norm that
-        follows) goes through ``ends`` (a :class:`SublayerEnds`, which may fuse them; the plain one when
-        None). ``h`` is the first block's ``ln_1(x)`` when the caller computed it with x (a fused
-        embedding), else None. Returns the final hidden states after ``ln_f``, (..., T, C).
+        follows, and maybe the next block's QKV projection) goes through ``ends`` (a :class:`SublayerEnds`,
+        which may fuse them; the plain one when None). ``h`` is the first block's ``ln_1(x)`` when the
+        caller computed it with x (a fused embedding), else None. Returns the final hidden states after ``ln_f``, (..., T, C).
         """
         ends = SublayerEnds() if ends is None else ends
         blocks = list(self.h)
         if h is None:
             h = blocks[0].ln_1(x)
+        proj = None  # block i's QKV projection, when block i - 1's end computed it
         for i, block in enumerate(blocks):
-            q, k, v = block.attn.qkv(h, rotary, None if qkv_out is None else qkv_out[i])
-            y = attend(i, q, k, v)
-            norm = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f
+            if proj is None:
+                proj = block.attn.c_attn(h) if qkv_out is None else linear_into(h, block.attn.c_attn, qkv_out[i])
+            y = attend(i, *block.attn.heads(proj, rotary))
+            last = i + 1 == len(blocks)
+            norm, nxt = (self.ln_f, None) if last else (blocks[i + 1].ln_1, blocks[i + 1].attn.c_attn)
+            nxt_out = None if last or qkv_out is None else qkv_out[i + 1]
             if block.has_mlp:
-                x, h = ends.attention(x, y, block.attn, rotary, block.ln_2)
-                x, h = ends.mlp(x, h, block.mlp, norm)
+                x, h, _ = ends.attention(x, y, block.attn, rotary, block.ln_2)
+                x, h, proj = ends.mlp(x, h, block.mlp, norm, nxt, nxt_out)
             else:
-                x, h = ends.attention(x, y, block.attn, rotary, norm)
+                x, h, proj = ends.attention(x, y, block.attn, rotary, norm, nxt, nxt_out)
         return h
 
     def check_inputs(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> None:

@@ -217,10 +217,13 @@ def test_kernels_are_custom_ops():
                                  torch.rand(16, generator=g), torch.randn(16, generator=g)), 1e-5),
         "linear_add_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 8, generator=g),
                                   torch.randn(16, 8, generator=g), torch.randn(16, generator=g),
-                                  torch.rand(16, generator=g)), None, 1e-5),
+                                  torch.rand(16, generator=g)), None, 1e-5,
+                            *_dev(torch.randn(48, 16, generator=g), torch.randn(48, generator=g),
+                                  torch.empty(2, 3, 48))),
         "mlp_add_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g),
                                torch.randn(40, 16, generator=g), torch.randn(40, generator=g),
-                               torch.randn(16, 40, generator=g), torch.randn(16, generator=g)), None, None, 1e-5),
+                               torch.randn(16, 40, generator=g), torch.randn(16, generator=g)), None, None, 1e-5,
+                         None, None, None),
         "feed_embedding": (*_dev(torch.tensor([1, 4]), torch.tensor([8, 0]), torch.randint(5, (2, 3, 4), generator=g),
                                  torch.randint(0, 9, (2, 3, 4), generator=g), torch.randn(5, 16, generator=g),
                                  torch.randn(9, 8, generator=g), torch.randn(9, 8, generator=g),
@@ -283,7 +286,9 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         r_tok = kernels.residual_sample(hidden[:, 0, 0] @ weight.T, p_logits[:, 0], ur, 0.9, backend="triton")
         slots = kernels.draft_slots(known, u_pos, R, backend="triton")
         orders = kernels.visit_orders(ua.new_ones(B, O, L) - u_pos[:, None], known, R, backend="triton")
-        ends = (*kernels.linear_add_norm(hidden, hidden, w_proj, backend="triton"),
+        nxt = hidden.new_empty(B, O, R, 2 * C)  # written by the first end (a mutated argument)
+        ends = (*kernels.linear_add_norm(hidden, hidden, w_proj, next_weight=w_fc, next_bias=b_fc, next_out=nxt,
+                                         backend="triton"), nxt,
                 *kernels.mlp_add_norm(hidden, hidden, w_fc, b_fc, w_fc.t().contiguous(), b_fc[:C], backend="triton"))
         return (x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots, orders,
                 *ends)

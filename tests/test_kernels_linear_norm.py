@@ -18,7 +18,7 @@ from sigmafast.engine import FusedEnds
 from sigmafast.kernels import linear_norm
 from sigmafast.kernels import reference as ref
 
-linear_add_norm = on_triton_device(linear_norm.linear_add_norm)
+DEVICE = triton_device()
 mlp_add_norm = on_triton_device(linear_norm.mlp_add_norm)
 
 # (leading shape, C, inner width K or F, norm, linear biases, layout)
@@ -60,9 +60,35 @@ def _f32(*ts):
     return [None if t is None else t.float() for t in ts]
 
 
+def _next(g, lead, C, dtype, biases, layout, with_next) -> dict:
+    """The next block's QKV projection (3C, C), its bias, and its output, on the Triton device: (..., 3C) rows
+    of a wider buffer when strided, as the verify pass's one buffer for every layer. None without one."""
+    if not with_next:
+        return dict(next_weight=None, next_bias=None, next_out=None)
+    weight, bias = _dev(*_linear(g, 3 * C, C, dtype, biases))
+    out = torch.empty(*lead, 4 * C if layout == "strided" else 3 * C, dtype=dtype, device=DEVICE)[..., :3 * C]
+    return dict(next_weight=weight, next_bias=bias, next_out=out)
+
+
+def _dev(*ts):
+    return [None if t is None else t.to(DEVICE) for t in ts]
+
+
+def _check(s, h, x, want_s, want_h, nxt, dtype):
+    s, h = s.cpu(), h.cpu()
+    assert s.shape == x.shape and h.shape == x.shape and s.dtype == dtype and h.dtype == dtype
+    torch.testing.assert_close(s.float(), want_s, **TOL[dtype])
+    torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+    if nxt["next_weight"] is not None:
+        want = torch.nn.functional.linear(want_h, *(t.cpu().float() for t in (nxt["next_weight"], nxt["next_bias"])
+                                                    if t is not None))
+        torch.testing.assert_close(nxt["next_out"].cpu().float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("with_next", [False, True], ids=["", "next-qkv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_linear_add_norm_matches_reference(case, dtype, poisoned_empty):
+def test_linear_add_norm_matches_reference(case, dtype, with_next, poisoned_empty):
     lead, C, K, norm, biases, layout = case
     for seed in range(2):
         g = torch.Generator().manual_seed(seed)
@@ -70,16 +96,15 @@ def test_linear_add_norm_matches_reference(case, dtype, poisoned_empty):
         y = _rows(g, lead, K, dtype, layout == "strided")
         weight, bias = _linear(g, C, K, dtype, biases)
         nw, nb = _norm(g, C, norm, dtype)
-        s, h = linear_add_norm(x, y, weight, bias, nw, nb, 1e-5)
-        assert s.shape == x.shape and h.shape == x.shape and s.dtype == dtype and h.dtype == dtype
-        want_s, want_h = ref.linear_add_norm(*_f32(x, y, weight, bias, nw, nb), 1e-5)
-        torch.testing.assert_close(s.float(), want_s, **TOL[dtype])
-        torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+        nxt = _next(g, lead, C, dtype, biases, layout, with_next)
+        s, h = linear_norm.linear_add_norm(*_dev(x, y, weight, bias, nw, nb), 1e-5, **nxt)
+        _check(s, h, x, *ref.linear_add_norm(*_f32(x, y, weight, bias, nw, nb), 1e-5), nxt, dtype)
 
 
+@pytest.mark.parametrize("with_next", [False, True], ids=["", "next-qkv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_mlp_add_norm_matches_reference(case, dtype, poisoned_empty):
+def test_mlp_add_norm_matches_reference(case, dtype, with_next, poisoned_empty):
     lead, C, F, norm, biases, layout = case
     for seed in range(2):
         g = torch.Generator().manual_seed(seed)
@@ -88,11 +113,9 @@ def test_mlp_add_norm_matches_reference(case, dtype, poisoned_empty):
         fc_w, fc_b = _linear(g, F, C, dtype, biases)
         proj_w, proj_b = _linear(g, C, F, dtype, biases)
         nw, nb = _norm(g, C, norm, dtype)
-        s, h = mlp_add_norm(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb, 1e-5)
-        assert s.shape == x.shape and h.shape == x.shape and s.dtype == dtype and h.dtype == dtype
-        want_s, want_h = ref.mlp_add_norm(*_f32(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb), 1e-5)
-        torch.testing.assert_close(s.float(), want_s, **TOL[dtype])
-        torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+        nxt = _next(g, lead, C, dtype, biases, layout, with_next)
+        s, h = linear_norm.mlp_add_norm(*_dev(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb), 1e-5, **nxt)
+        _check(s, h, x, *ref.mlp_add_norm(*_f32(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb), 1e-5), nxt, dtype)
 
 
 def test_mlp_add_norm_uses_the_exact_gelu():
@@ -110,7 +133,7 @@ def test_mlp_add_norm_uses_the_exact_gelu():
 def _bad(**kw):
     x = torch.zeros(3, 8)
     args = dict(x=x, y=torch.zeros(3, 4), weight=torch.zeros(8, 4), bias=None, norm_weight=None, norm_bias=None,
-                eps=1e-5)
+                eps=1e-5, next_weight=None, next_bias=None, next_out=None)
     args.update(kw)
     return args
 
@@ -125,6 +148,12 @@ def _bad(**kw):
     (dict(bias=torch.zeros(4)), r"bias must be None or a \(8,\)"),
     (dict(norm_weight=torch.ones(9)), r"weight must be None or a float \(8,\)"),
     (dict(eps=0.0), "eps must be a positive float"),
+    (dict(next_bias=torch.zeros(24)), "next_bias and next_out need a next_weight"),
+    (dict(next_weight=torch.zeros(24, 9)), r"next_weight must be a contiguous \(24, 8\)"),
+    (dict(next_weight=torch.zeros(24, 8)), r"next_out must be a \(3, 24\) torch.float32 tensor"),
+    (dict(next_weight=torch.zeros(24, 8), next_out=torch.zeros(24, 3).t()), "with unit inner stride"),
+    (dict(x=torch.zeros(2, 3, 8), y=torch.zeros(2, 3, 4), next_weight=torch.zeros(24, 8),
+          next_out=torch.zeros(3, 2, 24).transpose(0, 1)), r"next_out's rows must be one strided \(N, 24\) view"),
 ])
 def test_linear_add_norm_rejects_bad_inputs(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -170,7 +199,13 @@ def test_fused_ends_match_the_plain_blocks(kw):
     with torch.no_grad():
         want = model.run_layers(x, attend)
         got = model.run_layers(x, attend, ends=FusedEnds())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # every layer's QKV projection into one buffer (the verify pass), the later layers' by the ends
+        qkv = [torch.full((2, 2, 3, 5, 3 * model.config.n_embd), float("nan"), device=device) for _ in range(2)]
+        want = model.run_layers(x, attend, qkv_out=qkv[0])
+        got = model.run_layers(x, attend, qkv_out=qkv[1], ends=FusedEnds())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv[1], qkv[0], rtol=1e-5, atol=1e-5)
 
 
 def test_fused_ends_run_the_modules_in_training_mode():
@@ -182,5 +217,6 @@ def test_fused_ends_run_the_modules_in_training_mode():
     torch.manual_seed(3)
     want = model.h[0].attn.project(y)
     torch.manual_seed(3)
-    s, _ = FusedEnds().attention(x, y, model.h[0].attn, None, model.h[0].ln_2)
+    s, _, qkv = FusedEnds().attention(x, y, model.h[0].attn, None, model.h[0].ln_2)
     torch.testing.assert_close(s, x + want, rtol=0, atol=0)
+    assert qkv is None
