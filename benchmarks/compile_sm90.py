@@ -148,6 +148,11 @@ def _cases(dtype: torch.dtype):
             linear_norm.linear_launch(*xs, *a, 1e-5))
         yield f"MLP + add + LayerNorm C={C}", lambda xs=xs, a=(fc, fc[:, 0].contiguous(), proj, b, w, b): (
             linear_norm.mlp_launch(*xs, *a, 1e-5))
+        nxt = (fc[:3 * C], fc[:3 * C, 0].contiguous(), torch.empty(1280, 4 * C, dtype=dtype)[:, :3 * C])
+        yield f"projection + add + LayerNorm + next QKV C={C}", lambda xs=xs, a=(proj[:, :C].contiguous(), b, w, b), \
+            n=nxt: linear_norm.linear_launch(*xs, *a, 1e-5, *n)
+        yield f"MLP + add + LayerNorm + next QKV C={C}", lambda xs=xs, a=(fc, fc[:, 0].contiguous(), proj, b, w, b), \
+            n=nxt: linear_norm.mlp_launch(*xs, *a, 1e-5, *n)
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

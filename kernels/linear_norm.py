@@ -125,10 +125,12 @@ def _mlp_add_norm_kernel(
                     HAS_QB, DOT_PREC)
 
 
-def _blocks(C: int, inner: int) -> tuple[int, int]:
-    """(BLOCK_C, BLOCK_inner): whole rows, and inner chunks of about 8192 weights (at least 16 for tl.dot)."""
+def _blocks(C: int, inner: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_C, BLOCK_inner): whole rows, and inner chunks of about 8192 16-bit weights or 4096 float32 ones
+    (at least 16 for tl.dot; float32 MLP chunks of 8192 spill at C = 64 with the next projection)."""
     block_c = max(16, triton.next_power_of_2(C))
-    return block_c, min(max(16, triton.next_power_of_2(inner)), max(16, 8192 // block_c))
+    budget = 4096 if dtype == torch.float32 else 8192
+    return block_c, min(max(16, triton.next_power_of_2(inner)), max(16, budget // block_c))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -145,7 +147,7 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if N == 0:
         return s, h
-    block_c, block_i = _blocks(C, inner)
+    block_c, block_i = _blocks(C, inner, x.dtype)
     q3 = 0 if next_weight is None else next_weight.shape[0]
     q2 = x2 if next_out is None else next_out.view(N, q3)
     dummy = x2
@@ -157,7 +159,7 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
         N, x2.stride(0), y2.stride(0), norm_weight.stride(0) if norm_weight is not None else 0, q2.stride(0),
         float(eps), C, inner, BLOCK_M, block_c, block_i,
         HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, Q3=q3,
-        BLOCK_Q=_blocks(C, max(q3, 1))[1], HAS_QB=next_bias is not None,
+        BLOCK_Q=_blocks(C, max(q3, 1), x.dtype)[1], HAS_QB=next_bias is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
     )
     return s, h
