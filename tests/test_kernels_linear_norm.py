@@ -220,3 +220,26 @@ def test_fused_ends_run_the_modules_in_training_mode():
     s, _, qkv = FusedEnds().attention(x, y, model.h[0].attn, None, model.h[0].ln_2)
     torch.testing.assert_close(s, x + want, rtol=0, atol=0)
     assert qkv is None
+
+
+@pytest.mark.parametrize("mlp_ratio", [4, 0], ids=["mlp", "attention-only"])
+def test_fused_ends_take_the_later_blocks_matmuls(mlp_ratio):
+    """In a narrow model the fused ends run every matmul but the first block's QKV projection: no module's
+    forward runs after the first c_attn (the plain ends run them all)."""
+    config = SigmaGPTConfig(vocab_size=7, block_size=8, n_layer=3, n_head=2, n_embd=32, mlp_ratio=mlp_ratio)
+    model = SigmaGPT(config).eval().to(DEVICE)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "h." in name}
+    ran = []
+    for name, m in linears.items():
+        m.register_forward_hook(lambda mod, args, out, name=name: ran.append(name))
+    x = torch.randn(2, 5, 32, device=DEVICE)
+
+    def attend(i, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with torch.no_grad():
+        model.run_layers(x, attend)
+        assert sorted(ran) == sorted(linears)
+        ran.clear()
+        model.run_layers(x, attend, ends=FusedEnds())
+    assert ran == ["h.0.attn.c_attn"]
