@@ -161,6 +161,7 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
         HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, Q3=q3,
         BLOCK_Q=_blocks(C, max(q3, 1), x.dtype)[1], HAS_QB=next_bias is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        maxnreg=192 if x.dtype == torch.float32 else None,  # ptxas capped some float32 variants at 80 and spilled
     )
     return s, h
 
