@@ -29,7 +29,10 @@ CUDA and float32 on CPU:
   which reads every status before the next launch; ``burst-lossless``: with
   ``generate``'s default rule (one order, lossless: a residual draw per
   iteration); ``ar-inductor`` and
-  ``burst-inductor``: through ``Engine(compile_steps="inductor")`` (CUDA only).
+  ``burst-inductor``: through ``Engine(compile_steps="inductor")`` (CUDA only);
+  ``ar-unfused`` and ``burst-unfused``: through ``Engine(fused_ends=False)``,
+  cuBLAS matmuls in place of the narrow models' sublayer-end kernels (CUDA,
+  ``tiny`` and ``small`` only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
 * ``anchor-{eager,compiled}-<shape>-B<b>``: the static-KV-cache decoder of
@@ -84,10 +87,14 @@ STRATEGIES = {
     "burst-inductor": dict(strategy="burst", num_orders=5, acceptance="paper"),
     "burst-sync": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(lookahead=False)
     "burst-lossless": dict(strategy="burst", num_orders=1, acceptance="lossless"),  # generate's default rule
+    "ar-unfused": dict(strategy="autoregressive", order="left-to-right"),  # Engine(fused_ends=False)
+    "burst-unfused": dict(strategy="burst", num_orders=5, acceptance="paper"),
 }
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
 COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
-ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-sync": dict(lookahead=False)}
+UNFUSED = ("ar-unfused", "burst-unfused")  # CUDA only (the Triton path), narrow shapes only (GPT-2 is never fused)
+ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-sync": dict(lookahead=False),
+                  **{s: dict(fused_ends=False) for s in UNFUSED}}
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -299,6 +306,8 @@ def test_engine(benchmark, strategy, shape, batch):
         pytest.skip("compiled steps are benchmarked on CUDA only")
     if strategy in COMPILED and (shape == "tiny" or (strategy.startswith("burst") and batch > 1)):
         pytest.skip("compiled steps: small and gpt2 shapes only, bursts at B = 1 only (compile time)")
+    if strategy in UNFUSED and (not CUDA or shape.startswith("gpt2")):
+        pytest.skip("the fused sublayer ends run on CUDA's Triton path, in models at most 256 wide")
     model = _model("sigma", shape)
     prompt = _prompt(batch, PROMPT)
     kwargs = {**STRATEGIES[strategy], **SAMPLING}

@@ -51,16 +51,19 @@ class FusedEnds(SublayerEnds):
     """The sublayer ends as Triton kernels, for steps nothing traces. In a narrow model (C <=
     ``kernels.checks.FUSED_END_WIDTH``) the output projection or the whole MLP, the residual add, the
     next norm and the next block's QKV projection are one kernel (``kernels.linear_add_norm``,
-    ``kernels.mlp_add_norm``); in a wider one the matmuls stay cuBLAS's and the add + norm is one kernel
-    (``kernels.add_layer_norm``). Modules in training mode (dropout) and norms that :func:`norm_params`
-    does not know run as they are."""
+    ``kernels.mlp_add_norm``); in a wider one, or with ``narrow=False`` (to time the two against each
+    other), the matmuls stay cuBLAS's and the add + norm is one kernel (``kernels.add_layer_norm``).
+    Modules in training mode (dropout) and norms that :func:`norm_params` does not know run as they are."""
+
+    def __init__(self, narrow: bool = True) -> None:
+        self.narrow = narrow
 
     def attention(self, x, y, attn, rotary, norm, next_qkv=None, qkv_out=None):
         params = norm_params(norm, x.shape[-1])
         if params is None or attn.training:
             return super().attention(x, y, attn, rotary, norm)
         y = attn.merge_heads(y, rotary)
-        if not _narrow(x, attn.c_proj):
+        if not (self.narrow and _narrow(x, attn.c_proj)):
             return (*kernels.add_layer_norm(x, attn.c_proj(y), *params, backend="triton"), None)
         nxt = _next_projection(x, next_qkv, qkv_out)
         s, h = kernels.linear_add_norm(x, y, attn.c_proj.weight, attn.c_proj.bias, *params, **nxt, backend="triton")
@@ -70,7 +73,8 @@ class FusedEnds(SublayerEnds):
         params = norm_params(norm, x.shape[-1])
         if params is None or mlp.training:
             return super().mlp(x, h, mlp, norm)
-        if not (_narrow(x, mlp.c_fc, mlp.c_proj) and (mlp.c_fc.bias is None) == (mlp.c_proj.bias is None)):
+        one_layout = (mlp.c_fc.bias is None) == (mlp.c_proj.bias is None)
+        if not (self.narrow and one_layout and _narrow(x, mlp.c_fc, mlp.c_proj)):
             return (*kernels.add_layer_norm(x, mlp(h), *params, backend="triton"), None)
         nxt = _next_projection(x, next_qkv, qkv_out)
         s, h = kernels.mlp_add_norm(x, h, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
@@ -168,12 +172,14 @@ class NeuralSession:
     """Static state of one sampling call: canvas, known mask, KV cache, last token and the burst steps'
     non-finite flag."""
 
-    def __init__(self, model, batch_size: int, seq_len: int, backend: str, head_align: Optional[int] = None) -> None:
+    def __init__(self, model, batch_size: int, seq_len: int, backend: str, head_align: Optional[int] = None,
+                 fused_ends: bool = True) -> None:
         cfg = model.config
         param = next(model.parameters())
         device = param.device
         self.model = model
         self.backend = backend
+        self.fused_ends = fused_ends  # the narrow models' sublayer-end kernels (False: cuBLAS, for timing)
         self.cache = KVCache(cfg.n_layer, batch_size, cfg.n_head, seq_len, cfg.head_dim, dtype=param.dtype,
                              device=device)
         self.canvas = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
@@ -280,7 +286,7 @@ class NeuralSession:
     def _ends(self) -> Optional[SublayerEnds]:
         """The sublayer ends of this step: fused on the Triton path when nothing traces it, else the plain
         ones (None)."""
-        return FusedEnds() if self.backend == "triton" and not traced() else None
+        return FusedEnds(self.fused_ends) if self.backend == "triton" and not traced() else None
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits in the model's dtype (a view of the padded

@@ -276,7 +276,8 @@ class SigmaGPT(nn.Module):
         given. Each sublayer's end (its output projection or MLP, the residual add and the norm that
         follows, and maybe the next block's QKV projection) goes through ``ends`` (a :class:`SublayerEnds`,
         which may fuse them; the plain one when None). ``h`` is the first block's ``ln_1(x)`` when the
-        caller computed it with x (a fused embedding), else None. Returns the final hidden states after ``ln_f``, (..., T, C).
+        caller computed it with x (a fused embedding), else None. Returns the final hidden states after
+        ``ln_f``, (..., T, C).
         """
         ends = SublayerEnds() if ends is None else ends
         blocks = list(self.h)

@@ -130,7 +130,11 @@ class Engine(EagerRunner):
     status, with an R bucket bounded one iteration late: the GPU never waits for
     the host, at the cost of an occasional larger bucket and one surplus
     iteration per call (see ``sampler._burst_static``); False reads every
-    status before the next launch. Pass the engine to
+    status before the next launch. ``fused_ends`` (the default) ends each
+    sublayer of a model at most 256 wide in one Triton kernel (its output
+    projection or MLP, the residual add, the next LayerNorm and QKV projection;
+    ``kernels.linear_add_norm``, ``kernels.mlp_add_norm``); False keeps those
+    matmuls cuBLAS's, to time the two. Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
@@ -138,7 +142,8 @@ class Engine(EagerRunner):
     _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
-                 compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = True) -> None:
+                 compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = True,
+                 fused_ends: bool = True) -> None:
         if not is_sigma_gpt(model) or getattr(model, "objective", "sigma") != "sigma":
             raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
         on_cuda = next(model.parameters()).is_cuda
@@ -157,6 +162,9 @@ class Engine(EagerRunner):
         if not isinstance(lookahead, bool):
             raise TypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
         self.lookahead = lookahead
+        if not isinstance(fused_ends, bool):
+            raise TypeError(f"fused_ends must be a bool, got {type(fused_ends).__name__}")
+        self.fused_ends = fused_ends
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.max_sessions = max_sessions
@@ -196,14 +204,14 @@ class Engine(EagerRunner):
         if self.cuda_graphs:
             session = self._sessions.pop((backend, size, T), None)
             if session is None:
-                session = NeuralSession(self.model, size, T, backend)
+                session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends)
             self._sessions[(backend, size, T)] = session  # most recently used last
             if len(self._sessions) > self.max_sessions:  # bounded memory: caches, buffers and graphs
                 oldest = self._sessions.pop(next(iter(self._sessions)))
                 self._graphs.drop(id(oldest))
                 self._static = {k: v for k, v in self._static.items() if k[0] != id(oldest)}
         else:
-            session = NeuralSession(self.model, size, T, backend)
+            session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends)
         m = session.load(canvas, known)
         if m > 0:  # the prompt's prefill: a static-shape step over the bucket of the largest known count
             M = self.r_bucket(m, T)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device, triton_device
-from sigmafast import SigmaGPT, SigmaGPTConfig
+import sigmafast
+from helpers import count_variants, on_triton_device, tiny_model, triton_device
+from sigmafast import SigmaGPT, SigmaGPTConfig, kernels
 from sigmafast.engine import FusedEnds
 from sigmafast.kernels import linear_norm
 from sigmafast.kernels import reference as ref
@@ -243,3 +244,23 @@ def test_fused_ends_take_the_later_blocks_matmuls(mlp_ratio):
         ran.clear()
         model.run_layers(x, attend, ends=FusedEnds())
     assert ran == ["h.0.attn.c_attn"]
+
+
+def test_engine_without_fused_ends_keeps_the_matmuls_and_the_tokens():
+    """``Engine(fused_ends=False)`` (for timing the two) launches no sublayer-end kernel and samples the same
+    tokens as the default engine, which launches both."""
+    model = tiny_model(vocab_size=7, block_size=12, seed=1, std=0.5, dtype=torch.float32).to(DEVICE)
+    idx = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out, launched = {}, {}
+    for fused in (True, False):
+        with count_variants() as v, kernels.use_backend("triton"):
+            engine = sigmafast.Engine(model, fused_ends=fused)
+            out[fused] = sigmafast.generate(engine, idx, 8, num_orders=3, acceptance="paper",
+                                            generator=torch.Generator(DEVICE).manual_seed(5))
+        launched[fused] = set(v.counts())
+    ends = {"_linear_add_norm_kernel", "_mlp_add_norm_kernel"}
+    assert ends <= launched[True] and "_add_layer_norm_kernel" not in launched[True]
+    assert not ends & launched[False] and "_add_layer_norm_kernel" in launched[False]
+    assert torch.equal(out[True], out[False])
+    with pytest.raises(TypeError, match="fused_ends must be a bool"):
+        sigmafast.Engine(model, fused_ends=1)
