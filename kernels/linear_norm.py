@@ -21,14 +21,15 @@ LayerNorm it just took (``next_weight``, written into ``next_out``): the
 sublayer end that feeds a block then takes that block's first matmul too (one
 kernel fewer per block after the first).
 
-Grid (row blocks,), BLOCK_M = 16 rows per program, BLOCK_C >= C (a power of
-two) columns. Roundings follow the eager ops: each matmul's output (with its
-bias) is rounded to the input dtype, the GELU (exact, erf) is taken in float32
-of that, the sum is rounded, and the LayerNorm's statistics are float32 (the
-shared ``layer_norm.normalize``). float32 dots are "ieee", as torch's matmul
-without TF32. Compiles once per dtype and model (the widths are constexprs;
-the row count and strides are in ``do_not_specialize``; with and without the
-next projection are the two variants).
+Grid (row blocks,), BLOCK_M rows per program (64 in 16-bit dtypes, 16 in
+float32), BLOCK_C >= C (a power of two) columns. Roundings follow the eager
+ops: each matmul's output (with its bias) is rounded to the input dtype, the
+GELU (exact, erf) is taken in float32 of that, the sum is rounded, and the
+LayerNorm's statistics are float32 (the shared ``layer_norm.normalize``).
+float32 dots are "ieee", as torch's matmul without TF32. Compiles once per
+dtype and model (the widths are constexprs; the row count and strides are in
+``do_not_specialize``; with and without the next projection are the two
+variants).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from .layer_norm import check_norm, normalize
 
 MAX_WIDTH = FUSED_END_WIDTH  # C: whole rows per program (wider models keep cuBLAS and the add + LayerNorm kernel)
 MAX_INNER = 16384  # K and F
-BLOCK_M = 16
 SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1/sqrt(2), a constexpr: a kernel may read it
 
 
@@ -125,6 +125,16 @@ def _mlp_add_norm_kernel(
                     HAS_QB, DOT_PREC)
 
 
+def _rows_per_program(C: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, num_warps). Every program streams all the weights from L2 whatever its row count, so 16-bit
+    programs take 64 rows on 8 warps (a quarter of the L2 traffic of 16-row tiles when a verify pass has
+    thousands of rows, about the same latency when it has few; 4 warps spilled with the next projection);
+    float32 ones (the ieee dots: tests and exactness, not speed) take 16 on 4."""
+    if dtype == torch.float32:
+        return 16, 4
+    return 64, 8
+
+
 def _blocks(C: int, inner: int, dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_C, BLOCK_inner): whole rows, and inner chunks of about 8192 16-bit weights or 4096 float32 ones
     (at least 16 for tl.dot; float32 MLP chunks of 8192 spill at C = 64 with the next projection)."""
@@ -148,19 +158,20 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
     if N == 0:
         return s, h
     block_c, block_i = _blocks(C, inner, x.dtype)
+    block_m, num_warps = _rows_per_program(C, x.dtype)
     q3 = 0 if next_weight is None else next_weight.shape[0]
     q2 = x2 if next_out is None else next_out.view(N, q3)
     dummy = x2
-    kernel[(triton.cdiv(N, BLOCK_M),)](
+    kernel[(triton.cdiv(N, block_m),)](
         x2, y2, *weights, *(b if b is not None else dummy for b in biases),
         norm_weight if norm_weight is not None else dummy, norm_bias if norm_bias is not None else dummy,
         s.view(N, C), h.view(N, C), next_weight if next_weight is not None else dummy,
         next_bias if next_bias is not None else dummy, q2,
         N, x2.stride(0), y2.stride(0), norm_weight.stride(0) if norm_weight is not None else 0, q2.stride(0),
-        float(eps), C, inner, BLOCK_M, block_c, block_i,
+        float(eps), C, inner, block_m, block_c, block_i,
         HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, Q3=q3,
         BLOCK_Q=_blocks(C, max(q3, 1), x.dtype)[1], HAS_QB=next_bias is not None,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
         maxnreg=192 if x.dtype == torch.float32 else None,  # ptxas capped some float32 variants at 80 and spilled
     )
     return s, h
