@@ -11,6 +11,8 @@ copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=
 * verify: O=5 orders of R=64 tokens over a shared L=4096 prefix; SDPA gets the
   prefix repeated per order (the traffic the Triton kernel avoids).
 * top-k threshold: the k-th largest of 8 or 1280 rows (radix select against ``torch.topk``).
+* sublayer end: a narrow model's (C = 128) MLP or projection end with the next QKV projection, the one
+  ``kernels/linear_norm.py`` kernel against cuBLAS matmuls and the add + LayerNorm kernel, 64 to 10240 rows.
 * acceptance / sample / residual: B·O·R verifier rows of a 50257-token vocabulary; the bytes counted are
   one read of each logit tensor (q, and p for the residual), the least any implementation must move;
   acceptance_from_hidden: the same from (B, O, R, C) hidden states and the LM head, C = 768 and 128.
@@ -302,3 +304,49 @@ def test_acceptance_from_hidden(benchmark, impl, C, copy_gbps):
     flops = 2 * B * O * R * VOCAB * C
     _run(benchmark, fn, nbytes, copy_gbps, impl=impl, op="acceptance_from_hidden", rows=B * O * R, C=C, V=VOCAB,
          logq_abs_err=err, flops=flops, logits_bytes_avoided=B * O * R * VOCAB * hidden.element_size())
+
+
+@pytest.mark.parametrize("impl", ["triton", "cublas"])
+@pytest.mark.parametrize("rows", [64, 320, 1280, 10240], ids=lambda n: f"rows{n}")
+@pytest.mark.parametrize("end", ["mlp", "projection"])
+def test_sublayer_end(benchmark, impl, rows, end, copy_gbps):
+    """A narrow model's sublayer end with the next block's QKV projection (C = 128, the ``small`` preset):
+    the one-kernel ``kernels/linear_norm.py`` against the engine's layout without it (``fused_ends=False``:
+    cuBLAS matmuls, the GELU, the add + LayerNorm kernel and the next projection). Rows: a burst's draft
+    (64), a verify pass at B = 1 and R = 64 or 256 (320, 1280), and at B = 8 and R = 256 (10240)."""
+    from sigmafast.kernels import add_layer_norm, linear_norm
+
+    C, g = 128, torch.Generator(device="cuda").manual_seed(3)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(DTYPE)
+
+    x, h = rand(rows, C), rand(rows, C)
+    fc_w, fc_b, proj_w, proj_b = rand(4 * C, C, scale=C**-0.5), rand(4 * C), rand(C, 4 * C, scale=0.05), rand(C)
+    nw, nb, qkv_w, qkv_b = rand(C) + 1, rand(C), rand(3 * C, C, scale=C**-0.5), rand(3 * C)
+    out = torch.empty(rows, 3 * C, device="cuda", dtype=DTYPE)
+    mlp = end == "mlp"
+    w, b = (proj_w, proj_b) if mlp else (proj_w[:, :C].contiguous(), proj_b)
+
+    def fused():
+        if mlp:
+            return linear_norm.mlp_add_norm(x, h, fc_w, fc_b, w, b, nw, nb, next_weight=qkv_w, next_bias=qkv_b,
+                                            next_out=out)
+        return linear_norm.linear_add_norm(x, h, w, b, nw, nb, next_weight=qkv_w, next_bias=qkv_b, next_out=out)
+
+    def unfused():
+        y = F.linear(F.gelu(F.linear(h, fc_w, fc_b)), w, b) if mlp else F.linear(h, w, b)
+        s, hn = add_layer_norm(x, y, nw, nb, backend="triton")
+        torch.addmm(qkv_b, hn, qkv_w.t(), out=out)
+        return s, hn
+
+    fn = fused if impl == "triton" else unfused
+    f32 = [t.float() for t in (x, h, fc_w, fc_b, w, b, nw, nb)]
+    want_s, want_h = (ref.mlp_add_norm(*f32) if mlp else ref.linear_add_norm(f32[0], f32[1], *f32[4:]))
+    s, hn = fn()
+    err = max(_rel_err(s, want_s), _rel_err(hn, want_h), _rel_err(out, want_h @ qkv_w.float().t() + qkv_b.float()))
+    assert err < 0.05, f"{impl} {end} end is off before timing: {err:.2e}"
+    weights = (fc_w.numel() + w.numel() if mlp else w.numel()) + qkv_w.numel()
+    nbytes = (weights + rows * (2 + 2 + 3) * C) * x.element_size()  # weights; x, h in; s, h, qkv out
+    flops = 2 * rows * C * ((8 * C if mlp else C) + 3 * C)
+    _run(benchmark, fn, nbytes, copy_gbps, impl=impl, op=f"{end}_end", rows=rows, C=C, rel_err=err, flops=flops)

@@ -185,18 +185,9 @@ def test_fused_ends_match_the_plain_blocks(kw):
     """run_layers with the fused sublayer ends (the kernels above; add + LayerNorm alone above 256 channels)
     gives the hidden states of the plain blocks."""
     device = triton_device()
-    torch.manual_seed(0)
-    model = SigmaGPT(SigmaGPTConfig(vocab_size=7, block_size=8, n_layer=2, n_head=2, **{"n_embd": 32, **kw})).eval()
-    with torch.no_grad():  # far from the init's near-identity blocks
-        for p in model.parameters():
-            p.normal_(0.0, 0.3 if p.dim() >= 2 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
-    model = model.to(device)
+    model = _random_model(**kw).to(device)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, model.config.n_embd, generator=g).to(device)
-
-    def attend(i, q, k, v):  # any attention: causal SDPA within the last two dims
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
     with torch.no_grad():
         want = model.run_layers(x, attend)
         got = model.run_layers(x, attend, ends=FusedEnds())
@@ -207,6 +198,33 @@ def test_fused_ends_match_the_plain_blocks(kw):
         got = model.run_layers(x, attend, qkv_out=qkv[1], ends=FusedEnds())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qkv[1], qkv[0], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_ends_match_the_plain_blocks_in_float16():
+    """The 16-bit layout (64-row programs on 8 warps) through run_layers: the fused float16 model against the
+    plain blocks in float32 from the same float16 weights and inputs, to float16's rounding."""
+    model = _random_model(n_embd=64, n_layer=3).half().float()  # float16 weights
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1)).half()  # 80 rows: two programs
+    with torch.no_grad():
+        want = model.float().run_layers(x.float(), attend)
+        got = model.half().to(DEVICE).run_layers(x.to(DEVICE), attend, ends=FusedEnds())
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.cpu().float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _random_model(**kw) -> SigmaGPT:
+    """An eval-mode model far from the init's near-identity blocks (float32, on the CPU)."""
+    torch.manual_seed(0)
+    model = SigmaGPT(SigmaGPTConfig(vocab_size=7, block_size=8, **{"n_layer": 2, "n_head": 2, "n_embd": 32, **kw}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3 if p.dim() >= 2 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
+    return model.eval()
+
+
+def attend(i, q, k, v):
+    """Any attention for run_layers: causal SDPA within the last two dims."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def test_fused_ends_run_the_modules_in_training_mode():
@@ -234,10 +252,6 @@ def test_fused_ends_take_the_later_blocks_matmuls(mlp_ratio):
     for name, m in linears.items():
         m.register_forward_hook(lambda mod, args, out, name=name: ran.append(name))
     x = torch.randn(2, 5, 32, device=DEVICE)
-
-    def attend(i, q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
     with torch.no_grad():
         model.run_layers(x, attend)
         assert sorted(ran) == sorted(linears)
