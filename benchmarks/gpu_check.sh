@@ -52,7 +52,7 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile train}; do
         --benchmark-json="$OUT/engine_ar.json" -k "test_first_call or (test_engine and ar- and not inductor)" ;;
     engine-burst) run engine-burst "${GPU_ENGINE_LIMIT:-270}" python -m pytest benchmarks/bench_engine.py \
         "${BENCH[@]}" --benchmark-json="$OUT/engine_burst.json" -k "test_engine and burst- and not inductor" ;;
-    kernels) run kernels "${GPU_KERNELS_LIMIT:-110}" python -m pytest benchmarks/bench_kernels.py "${BENCH[@]}" \
+    kernels) run kernels "${GPU_KERNELS_LIMIT:-150}" python -m pytest benchmarks/bench_kernels.py "${BENCH[@]}" \
         --benchmark-json="$OUT/kernels.json" -k "${GPU_KERNELS_K:-test_}" ;;
     profile) run profile "${GPU_PROFILE_LIMIT:-120}" bash -c "python benchmarks/profile_steps.py --shape gpt2 --batch 1 \
         && python benchmarks/profile_steps.py --shape small --batch 1 \
