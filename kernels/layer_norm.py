@@ -80,18 +80,24 @@ def config(C: int) -> tuple[int, int, int]:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., C) -> (N, C) with a unit inner stride (a view when the leading dims collapse)."""
+    """(..., W) -> (N, W) with a unit inner stride (a view when the leading dims collapse)."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
+
+
+def residual_rows(x: torch.Tensor, y: torch.Tensor):
+    """The rows (N, C) and (N, W) of the residual stream x (..., C) and of the update's input y (..., W),
+    with unit inner strides, and new outputs s and h shaped like x: the launchers' common start."""
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _rows(x), _rows(y), s, h
 
 
 def launch(x, y, weight, bias, eps):
     """Launch the kernel (no input checks): returns (x + y, LayerNorm(x + y)), shaped like x."""
     C = x.shape[-1]
-    x2, y2 = _rows(x), _rows(y)
+    x2, y2, s, h = residual_rows(x, y)
     N = x2.shape[0]
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if N == 0:
         return s, h
     s2, h2 = s.view(N, C), h.view(N, C)

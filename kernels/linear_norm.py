@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .checks import FUSED_END_WIDTH, check_float, check_same
-from .layer_norm import check_norm, normalize
+from .layer_norm import check_norm, normalize, residual_rows
 
 MAX_WIDTH = FUSED_END_WIDTH  # C: whole rows per program (wider models keep cuBLAS and the add + LayerNorm kernel)
 MAX_INNER = 16384  # K and F
@@ -143,18 +143,10 @@ def _blocks(C: int, inner: int, dtype: torch.dtype) -> tuple[int, int]:
     return block_c, min(max(16, triton.next_power_of_2(inner)), max(16, budget // block_c))
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., W) -> (N, W) with a unit inner stride (a view when the leading dims collapse)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
-
-
 def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: int, next_weight, next_bias, next_out):
     C = x.shape[-1]
-    x2, y2 = _rows(x), _rows(y)
+    x2, y2, s, h = residual_rows(x, y)
     N = x2.shape[0]
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if N == 0:
         return s, h
     block_c, block_i = _blocks(C, inner, x.dtype)
