@@ -125,7 +125,7 @@ def _mlp_add_norm_kernel(
                     HAS_QB, DOT_PREC)
 
 
-def _rows_per_program(C: int, dtype: torch.dtype) -> tuple[int, int]:
+def _rows_per_program(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_M, num_warps). Every program streams all the weights from L2 whatever its row count, so 16-bit
     programs take 64 rows on 8 warps (a quarter of the L2 traffic of 16-row tiles when a verify pass has
     thousands of rows, about the same latency when it has few; 4 warps spilled with the next projection);
@@ -150,7 +150,7 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
     if N == 0:
         return s, h
     block_c, block_i = _blocks(C, inner, x.dtype)
-    block_m, num_warps = _rows_per_program(C, x.dtype)
+    block_m, num_warps = _rows_per_program(x.dtype)
     q3 = 0 if next_weight is None else next_weight.shape[0]
     q2 = x2 if next_out is None else next_out.view(N, q3)
     dummy = x2
@@ -164,7 +164,7 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
         HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, Q3=q3,
         BLOCK_Q=_blocks(C, max(q3, 1), x.dtype)[1], HAS_QB=next_bias is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        maxnreg=192 if x.dtype == torch.float32 else None,  # ptxas capped some float32 variants at 80 and spilled
+        maxnreg=192 if x.dtype == torch.float32 else None,  # ptxas 3.9 held a float32 variant to 80 and spilled
     )
     return s, h
 
