@@ -167,15 +167,8 @@ def acceptance(
                                            flag=flag)
     checks.check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule, _REF)
     checks.check_ratio_flag(flag, temperature, logits.device)
-    return _flagged(reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule),
-                    draft_logp, lengths, flag)
-
-
-def _flagged(res: Acceptance, draft_logp, lengths, flag) -> Acceptance:
-    """``res`` after ``reference.flag_nan_ratios`` of its log q when a flag is given."""
-    if flag is not None:
-        reference.flag_nan_ratios(res.logq, draft_logp, lengths, flag)
-    return res
+    res = reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    return reference.flagged(res, draft_logp, lengths, flag)
 
 
 def acceptance_from_hidden(
@@ -198,8 +191,8 @@ def acceptance_from_hidden(
     logits = (hidden @ weight.T)[..., :V]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return _flagged(reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule),
-                    draft_logp, lengths, flag)
+    res = reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    return reference.flagged(res, draft_logp, lengths, flag)
 
 
 def sample(logits, uniforms, temperature=1.0, top_k=None, *, used=None, flag=None, backend: Optional[str] = None

@@ -117,10 +117,8 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
     acceptance ops after their own input checks."""
     greedy = temperature == 0
     if (not greedy and scores.dtype != torch.float32) or drafts.numel() == 0:
-        res = reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
-        if flag is not None:
-            reference.flag_nan_ratios(res.logq, draft_logp, lengths, flag)
-        return res
+        return reference.flagged(reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule),
+                                 draft_logp, lengths, flag)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     if greedy:

@@ -273,6 +273,13 @@ def flag_nan_ratios(logq, draft_logp, lengths, flag) -> None:
     flag.logical_or_((torch.isnan(logq - draft_logp.to(logq.dtype)) & valid).any())
 
 
+def flagged(res: Acceptance, draft_logp, lengths, flag) -> Acceptance:
+    """``res`` after :func:`flag_nan_ratios` of its log q when a () bool ``flag`` is given (None: no check)."""
+    if flag is not None:
+        flag_nan_ratios(res.logq, draft_logp, lengths, flag)
+    return res
+
+
 def burst_status(known, flag) -> torch.Tensor:
     """(3,) int64 from the (B, T) known mask and the () bool flag: the largest unknown count of a row
     (0 with no rows), the number of rows with one, and 1 if ``flag`` else 0."""

@@ -122,7 +122,7 @@ def sample_checked(session, logits: torch.Tensor, u: torch.Tensor, used: torch.T
     is True is not finite: inside the sampling kernel (no second read of the logits), or by the reference
     flag op when traced (see :func:`_flags_backend`)."""
     if traced():
-        kernels.flag_nonfinite(logits, used, flag, backend="reference")
+        kernels.flag_nonfinite(logits, used, flag, backend=_flags_backend(session))
         return kernels.sample(logits, u, temperature, top_k, backend=_backend(session))
     return kernels.sample(logits, u, temperature, top_k, used=used, flag=flag, backend=_backend(session))
 

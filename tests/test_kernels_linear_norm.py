@@ -86,37 +86,27 @@ def _check(s, h, x, want_s, want_h, nxt, dtype):
         torch.testing.assert_close(nxt["next_out"].cpu().float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("end", ["projection", "mlp"])
 @pytest.mark.parametrize("with_next", [False, True], ids=["", "next-qkv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_linear_add_norm_matches_reference(case, dtype, with_next, poisoned_empty):
-    lead, C, K, norm, biases, layout = case
+def test_sublayer_end_matches_reference(case, dtype, with_next, end, poisoned_empty):
+    """Both kernels: the projection's y is (..., K) (K = the case's inner width), the MLP's h is (..., C) with
+    a hidden width F = the inner width."""
+    lead, C, inner, norm, biases, layout = case
+    projection = end == "projection"
+    kernel, want = ((linear_norm.linear_add_norm, ref.linear_add_norm) if projection
+                    else (linear_norm.mlp_add_norm, ref.mlp_add_norm))
     for seed in range(2):
         g = torch.Generator().manual_seed(seed)
         x = _rows(g, lead, C, dtype, layout == "strided", 3.0)
-        y = _rows(g, lead, K, dtype, layout == "strided")
-        weight, bias = _linear(g, C, K, dtype, biases)
+        y = _rows(g, lead, inner if projection else C, dtype, projection and layout == "strided")
+        shapes = [(C, inner)] if projection else [(inner, C), (C, inner)]
+        linears = [t for out, inn in shapes for t in _linear(g, out, inn, dtype, biases)]  # weight, bias, ...
         nw, nb = _norm(g, C, norm, dtype)
         nxt = _next(g, lead, C, dtype, biases, layout, with_next)
-        s, h = linear_norm.linear_add_norm(*_dev(x, y, weight, bias, nw, nb), 1e-5, **nxt)
-        _check(s, h, x, *ref.linear_add_norm(*_f32(x, y, weight, bias, nw, nb), 1e-5), nxt, dtype)
-
-
-@pytest.mark.parametrize("with_next", [False, True], ids=["", "next-qkv"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_mlp_add_norm_matches_reference(case, dtype, with_next, poisoned_empty):
-    lead, C, F, norm, biases, layout = case
-    for seed in range(2):
-        g = torch.Generator().manual_seed(seed)
-        x = _rows(g, lead, C, dtype, layout == "strided", 3.0)
-        h_in = _rows(g, lead, C, dtype, False)
-        fc_w, fc_b = _linear(g, F, C, dtype, biases)
-        proj_w, proj_b = _linear(g, C, F, dtype, biases)
-        nw, nb = _norm(g, C, norm, dtype)
-        nxt = _next(g, lead, C, dtype, biases, layout, with_next)
-        s, h = linear_norm.mlp_add_norm(*_dev(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb), 1e-5, **nxt)
-        _check(s, h, x, *ref.mlp_add_norm(*_f32(x, h_in, fc_w, fc_b, proj_w, proj_b, nw, nb), 1e-5), nxt, dtype)
+        s, h = kernel(*_dev(x, y, *linears, nw, nb), 1e-5, **nxt)
+        _check(s, h, x, *want(*_f32(x, y, *linears, nw, nb), 1e-5), nxt, dtype)
 
 
 def test_mlp_add_norm_uses_the_exact_gelu():
