@@ -153,6 +153,12 @@ def _cases(dtype: torch.dtype):
             n=nxt: linear_norm.linear_launch(*xs, *a, 1e-5, *n)
         yield f"MLP + add + LayerNorm + next QKV C={C}", lambda xs=xs, a=(fc, fc[:, 0].contiguous(), proj, b, w, b), \
             n=nxt: linear_norm.mlp_launch(*xs, *a, 1e-5, *n)
+        wte, pe = torch.randn(V, C, generator=g).to(dtype), torch.randn(1025, C // 2, generator=g).to(dtype)
+        feed = (torch.tensor([3, 9]), torch.tensor([1024, 7]), torch.randint(0, V, (2, 5, 128), generator=g),
+                torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :128])
+        qkv = (fc[:3 * C], fc[:3 * C, 0].contiguous(), torch.empty(2, 5, 128, 4 * C, dtype=dtype)[..., :3 * C])
+        yield f"feed embedding + LayerNorm + first QKV C={C}", lambda f=feed, t=(wte, pe, w, b), n=qkv: embed.launch(
+            *f, t[0], t[1], t[1], t[2], t[3], 1e-5, *n)
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

@@ -303,13 +303,16 @@ def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders, *, b
 
 
 def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight=None, bias=None, eps=1e-5, *,
-                   backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   next_weight=None, next_bias=None, next_out=None, backend: Optional[str] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """σ-GPT's embedding of the inputs fed along (B, G, S) visiting orders and its LayerNorm, (B, G, S, C)
-    each; see the reference."""
+    each; with ``next_weight``, the first block's projection of the LayerNorm into ``next_out`` (the Triton
+    kernel takes C <= 256); see the reference."""
     args = (last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps)
+    nxt = dict(next_weight=next_weight, next_bias=next_bias, next_out=next_out)
     if _resolve(backend, wte) == "triton":
-        return _triton().embed.feed_embedding(*args)
-    return reference.feed_embedding(*args)
+        return _triton().embed.feed_embedding(*args, **nxt)
+    return reference.feed_embedding(*args, **nxt)
 
 
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,

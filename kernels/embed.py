@@ -14,8 +14,14 @@ of it for BLOCK_N rows per program: it reads each row's token and positions
 rows, rounds the sum to the output dtype (as the eager add) and normalises it
 with :func:`.layer_norm.normalize` (float32 statistics).
 
-Compiles once per dtype, width and affine layout: BLOCK_N and BLOCK_C depend on
-C only (:func:`.layer_norm.config`); the row counts and every stride are in
+In a narrow model (C <= 256) the kernel may also compute the first block's QKV
+projection of that LayerNorm (``next_weight``), as the sublayer-end kernels of
+:mod:`.linear_norm` do for the later blocks (:func:`.linear_norm.project_rows`,
+their row tiles): the block's first matmul is then no kernel of its own.
+
+Compiles once per dtype, width, affine layout and projection: BLOCK_N and
+BLOCK_C depend on C (:func:`.layer_norm.config`), or on the dtype with the
+projection (:func:`.linear_norm.rows_per_program`); the row counts and every stride are in
 ``do_not_specialize``, the tables' row strides in units of ``STRIDE_UNIT`` (16
 when the strides and half-width allow it, as in :mod:`.layer_norm`) so that the
 gathered rows are read with wide loads. Token and position values are not checked (an index out
@@ -33,17 +39,20 @@ import triton.language as tl
 
 from .checks import check_float
 from .layer_norm import MAX_WIDTH, check_norm, config, normalize
+from .linear_norm import MAX_WIDTH as NEXT_MAX_WIDTH
+from .linear_norm import blocks, check_next, project_rows, rows_per_program
 
 _INT = (torch.int64, torch.int32)
 
 
 @triton.jit(do_not_specialize=["N", "G", "S", "s_ob", "s_og", "s_os", "s_tb", "s_tg", "s_ts", "s_wte", "s_pi",
-                               "s_po", "s_w"])
+                               "s_po", "s_w", "s_q"])
 def _feed_embedding_kernel(
-    LAST_TOK, LAST_POS, TOK, ORD, WTE, PE_IN, PE_OUT, W, B, X, H,
-    N, G, S, s_ob, s_og, s_os, s_tb, s_tg, s_ts, s_wte, s_pi, s_po, s_w, eps,
+    LAST_TOK, LAST_POS, TOK, ORD, WTE, PE_IN, PE_OUT, W, B, X, H, WQ, BQ, Q,
+    N, G, S, s_ob, s_og, s_os, s_tb, s_tg, s_ts, s_wte, s_pi, s_po, s_w, s_q, eps,
     C: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HAS_PE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, STRIDE_UNIT: tl.constexpr, Q3: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     s_wte, s_pi, s_po = s_wte * STRIDE_UNIT, s_pi * STRIDE_UNIT, s_po * STRIDE_UNIT  # vectorised row loads
     pid = tl.program_id(0)
@@ -74,12 +83,15 @@ def _feed_embedding_kernel(
         b_x = b_x + b_pi.to(tl.float32) + b_po.to(tl.float32)  # one nonzero term per column: one rounding
     b_x = b_x.to(X.dtype.element_ty)
     tl.store(X + o_n[:, None] * C + o_c[None, :], b_x, mask=m)
-    b_h = normalize(b_x.to(tl.float32), o_c, W, B, s_w, eps, C, HAS_W, HAS_B)
-    tl.store(H + o_n[:, None] * C + o_c[None, :], b_h.to(H.dtype.element_ty), mask=m)
+    b_h = normalize(b_x.to(tl.float32), o_c, W, B, s_w, eps, C, HAS_W, HAS_B).to(H.dtype.element_ty)
+    tl.store(H + o_n[:, None] * C + o_c[None, :], b_h, mask=m)
+    project_rows(b_h, WQ, BQ, Q, o_n, m_n, o_c, m_c, s_q, C, Q3, BLOCK_Q, HAS_QB, DOT_PREC)
 
 
-def launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps):
-    """Launch the kernel (no input checks): returns x and h, (B, G, S, C) each."""
+def launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps, next_weight=None,
+           next_bias=None, next_out=None):
+    """Launch the kernel (no input checks): returns x and h, (B, G, S, C) each; writes ``next_out`` when
+    ``next_weight`` is given."""
     B, G, S = orders.shape
     C = wte.shape[1]
     x = torch.empty(B, G, S, C, dtype=wte.dtype, device=wte.device)
@@ -90,17 +102,25 @@ def launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias,
     last_tok, last_pos = last_tok.contiguous(), last_pos.contiguous()  # read at row b
     if tokens is None:  # S == 1: only the last token is fed
         tokens = orders
-    block_n, block_c, num_warps = config(C)
+    q3 = 0 if next_weight is None else next_weight.shape[0]
+    if q3:  # the projection's tl.dot: the sublayer ends' row tiles, 16 columns at least
+        (block_n, num_warps), block_c = rows_per_program(wte.dtype), blocks(C, 1, wte.dtype)[0]
+    else:
+        block_n, block_c, num_warps = config(C)
+    q2 = x.view(N, C) if next_out is None else next_out.view(N, q3)
     has_pe = pe_in is not None
     strides = (wte.stride(0), pe_in.stride(0), pe_out.stride(0)) if has_pe else (wte.stride(0), 0, 0)
     unit = 16 if C % 32 == 0 and all(st % 16 == 0 for st in strides) else 1
     _feed_embedding_kernel[(triton.cdiv(N, block_n),)](
         last_tok, last_pos, tokens, orders, wte, pe_in if has_pe else wte, pe_out if has_pe else wte,
         weight if weight is not None else wte, bias if bias is not None else wte, x, h,
+        next_weight if q3 else wte, next_bias if next_bias is not None else wte, q2,
         N, G, S, *orders.stride(), *tokens.stride(), *(st // unit for st in strides),
-        weight.stride(0) if weight is not None else 0, float(eps),
+        weight.stride(0) if weight is not None else 0, q2.stride(0), float(eps),
         C=C, HALF=C // 2, BLOCK_N=block_n, BLOCK_C=block_c, HAS_PE=has_pe, HAS_W=weight is not None,
-        HAS_B=bias is not None, STRIDE_UNIT=unit, num_warps=num_warps,
+        HAS_B=bias is not None, STRIDE_UNIT=unit, Q3=q3, BLOCK_Q=blocks(C, max(q3, 1), wte.dtype)[1],
+        HAS_QB=next_bias is not None, DOT_PREC="ieee" if wte.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, maxnreg=192 if q3 and wte.dtype == torch.float32 else None,
     )
     return x, h
 
@@ -130,6 +150,10 @@ def feed_embedding(
     weight: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
     eps: float = 1e-5,
+    *,
+    next_weight: Optional[torch.Tensor] = None,
+    next_bias: Optional[torch.Tensor] = None,
+    next_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """σ-GPT's first-block input along visiting orders, and its LayerNorm.
 
@@ -139,7 +163,10 @@ def feed_embedding(
     step's token is never read), or None when S == 1. wte: (V, C) token embeddings; pe_in,
     pe_out: (P, C / 2) position tables, or both None (no absolute encoding); weight, bias: (C,)
     or None (weight may be a stride-0 gain). Returns ``x`` (B, G, S, C) in wte's dtype and
-    ``h = F.layer_norm(x, (C,), weight, bias, eps)``, from the ``sigmafast::feed_embedding`` op.
+    ``h = F.layer_norm(x, (C,), weight, bias, eps)``, from the ``sigmafast::feed_embedding`` op. With
+    ``next_weight`` (contiguous (Q, C), the first block's QKV projection; C <= 256) and ``next_bias`` ((Q,)
+    or None), also writes ``F.linear(h, next_weight, next_bias)`` into ``next_out`` ((B, G, S, Q), rows of
+    one stride), as ``linear_norm.linear_add_norm`` does for the later blocks.
     """
     if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
         raise ValueError(f"orders must be a (B, G, S) tensor, got {getattr(orders, 'shape', type(orders).__name__)}")
@@ -166,7 +193,10 @@ def feed_embedding(
         _check_table("pe_in", pe_in, C // 2, wte.dtype, device)
         _check_table("pe_out", pe_out, C // 2, wte.dtype, device)
     bias = check_norm(weight, bias, eps, C, device)
+    if next_weight is not None and C > NEXT_MAX_WIDTH:
+        raise ValueError(f"next_weight needs wte's width at most {NEXT_MAX_WIDTH} (whole rows per program), got {C}")
+    check_next(next_weight, next_bias, next_out, (B, G, S), wte)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight,
-                                              bias, float(eps))
+                                              bias, float(eps), next_weight, next_bias, next_out)

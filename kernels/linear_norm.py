@@ -19,7 +19,8 @@ the 4-layer ``small`` model, which runs 8 block forwards).
 Either kernel may also compute the next block's QKV projection of the
 LayerNorm it just took (``next_weight``, written into ``next_out``): the
 sublayer end that feeds a block then takes that block's first matmul too (one
-kernel fewer per block after the first).
+kernel fewer per block; the embedding kernel takes the first block's,
+:mod:`.embed`).
 
 Grid (row blocks,), BLOCK_M rows per program (64 in 16-bit dtypes, 16 in
 float32), BLOCK_C >= C (a power of two) columns. Roundings follow the eager
@@ -61,7 +62,16 @@ def _add_norm_store(b_y, X, S, H, LW, LB, WQ, BQ, Q, o_m, o_c, N, s_x, s_w, s_q,
     tl.store(S + o_m[:, None] * C + o_c[None, :], b_s, mask=m)
     b_h = normalize(b_s.to(tl.float32), o_c, LW, LB, s_w, eps, C, HAS_W, HAS_B).to(H.dtype.element_ty)
     tl.store(H + o_m[:, None] * C + o_c[None, :], b_h, mask=m)
-    for q0 in range(0, Q3, BLOCK_Q):  # no iteration when Q3 == 0
+    project_rows(b_h, WQ, BQ, Q, o_m, m_m, o_c, m_c, s_q, C, Q3, BLOCK_Q, HAS_QB, DOT_PREC)
+
+
+@triton.jit
+def project_rows(b_h, WQ, BQ, Q, o_m, m_m, o_c, m_c, s_q, C: tl.constexpr, Q3: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The next block's QKV projection ``b_h WQ^T + BQ`` of the (BLOCK_M, BLOCK_C) normalised rows ``b_h`` (in
+    the output dtype; columns past C zero), WQ (Q3, C) contiguous, stored to rows ``o_m`` (int64) of Q (row
+    stride s_q) in BLOCK_Q-wide chunks, the output rounded once as the eager addmm's. Nothing when Q3 == 0."""
+    for q0 in range(0, Q3, BLOCK_Q):
         o_q = q0 + tl.arange(0, BLOCK_Q).to(tl.int64)
         m_q = o_q < Q3
         b_wt = tl.load(WQ + o_q[None, :] * C + o_c[:, None], mask=m_c[:, None] & m_q[None, :], other=0.0)
@@ -125,7 +135,7 @@ def _mlp_add_norm_kernel(
                     HAS_QB, DOT_PREC)
 
 
-def _rows_per_program(dtype: torch.dtype) -> tuple[int, int]:
+def rows_per_program(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_M, num_warps). Every program streams all the weights from L2 whatever its row count, so 16-bit
     programs take 64 rows on 8 warps (a quarter of the L2 traffic of 16-row tiles when a verify pass has
     thousands of rows, about the same latency when it has few; 4 warps spilled with the next projection);
@@ -135,7 +145,7 @@ def _rows_per_program(dtype: torch.dtype) -> tuple[int, int]:
     return 64, 8
 
 
-def _blocks(C: int, inner: int, dtype: torch.dtype) -> tuple[int, int]:
+def blocks(C: int, inner: int, dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_C, BLOCK_inner): whole rows, and inner chunks of about 8192 16-bit weights or 4096 float32 ones
     (at least 16 for tl.dot; float32 MLP chunks of 8192 spill at C = 64 with the next projection)."""
     block_c = max(16, triton.next_power_of_2(C))
@@ -149,8 +159,8 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
     N = x2.shape[0]
     if N == 0:
         return s, h
-    block_c, block_i = _blocks(C, inner, x.dtype)
-    block_m, num_warps = _rows_per_program(x.dtype)
+    block_c, block_i = blocks(C, inner, x.dtype)
+    block_m, num_warps = rows_per_program(x.dtype)
     q3 = 0 if next_weight is None else next_weight.shape[0]
     q2 = x2 if next_out is None else next_out.view(N, q3)
     dummy = x2
@@ -162,7 +172,7 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
         N, x2.stride(0), y2.stride(0), norm_weight.stride(0) if norm_weight is not None else 0, q2.stride(0),
         float(eps), C, inner, block_m, block_c, block_i,
         HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, Q3=q3,
-        BLOCK_Q=_blocks(C, max(q3, 1), x.dtype)[1], HAS_QB=next_bias is not None,
+        BLOCK_Q=blocks(C, max(q3, 1), x.dtype)[1], HAS_QB=next_bias is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
         maxnreg=192 if x.dtype == torch.float32 else None,  # ptxas 3.9 held a float32 variant to 80 and spilled
     )
@@ -212,24 +222,26 @@ def _check_stream(x) -> int:
     return x.shape[-1]
 
 
-def _check_next(next_weight, next_bias, next_out, x: torch.Tensor) -> None:
-    """The optional next projection: a contiguous (Q, C) weight, a (Q,) bias or None, and a (..., Q) output
-    with x's leading dims whose rows are one strided (N, Q) view; all three None without one."""
+def check_next(next_weight, next_bias, next_out, lead: tuple, ref: torch.Tensor) -> None:
+    """The optional next projection of rows as wide as ``ref``'s last dimension C, of its dtype and device:
+    a contiguous (Q, C) weight, a (Q,) bias or None, and a (*lead, Q) output whose rows are one strided
+    (N, Q) view; all three None without one."""
     if next_weight is None:
         if next_bias is not None or next_out is not None:
             raise ValueError("next_bias and next_out need a next_weight")
         return
+    C = ref.shape[-1]
     if not isinstance(next_weight, torch.Tensor) or next_weight.ndim != 2 \
             or not 1 <= next_weight.shape[0] <= MAX_INNER:
-        raise ValueError(f"next_weight must be a (Q, {x.shape[-1]}) tensor with Q in [1, {MAX_INNER}], got "
+        raise ValueError(f"next_weight must be a (Q, {C}) tensor with Q in [1, {MAX_INNER}], got "
                          f"{_describe(next_weight)}")
     Q = next_weight.shape[0]
-    _check_linear("next_", next_weight, next_bias, (Q, x.shape[-1]), x)
-    want = (*x.shape[:-1], Q)
-    if not isinstance(next_out, torch.Tensor) or tuple(next_out.shape) != want or next_out.dtype != x.dtype \
-            or next_out.device != x.device or (next_out.numel() and next_out.stride(-1) != 1):
-        raise ValueError(f"next_out must be a {want} {x.dtype} tensor on {x.device} with unit inner stride, got "
-                         f"{_describe(next_out)}")
+    _check_linear("next_", next_weight, next_bias, (Q, C), ref)
+    want = (*lead, Q)
+    if not isinstance(next_out, torch.Tensor) or tuple(next_out.shape) != want or next_out.dtype != ref.dtype \
+            or next_out.device != ref.device or (next_out.numel() and next_out.stride(-1) != 1):
+        raise ValueError(f"next_out must be a {want} {ref.dtype} tensor on {ref.device} with unit inner stride, "
+                         f"got {_describe(next_out)}")
     try:
         next_out.view(-1, Q)
     except RuntimeError:
@@ -256,7 +268,7 @@ def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, e
                          f"[1, {MAX_INNER}], got {_describe(y)}")
     _check_linear("", weight, bias, (C, y.shape[-1]), x)
     norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
-    _check_next(next_weight, next_bias, next_out, x)
+    check_next(next_weight, next_bias, next_out, x.shape[:-1], x)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, float(eps), next_weight,
@@ -284,7 +296,7 @@ def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=N
     if (fc_bias is None) != (proj_bias is None):
         raise ValueError("fc_bias and proj_bias must be both given or both None")
     norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
-    _check_next(next_weight, next_bias, next_out, x)
+    check_next(next_weight, next_bias, next_out, x.shape[:-1], x)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight,

@@ -22,7 +22,8 @@ op                                 inputs -> outputs
 ``sigmafast::mlp_add_norm``        x, h (..., C), MLP weights and biases, then as ``linear_add_norm``
                                    -> x + mlp(h), LayerNorm of it (C <= 256); writes the next projection
 ``sigmafast::feed_embedding``      last token/position (B,), tokens or None, orders (B, G, S), tables,
-                                   weight, bias -> x, LayerNorm(x) (B, G, S, C)
+                                   weight, bias, first block's projection weight, bias and output or
+                                   None -> x, LayerNorm(x) (B, G, S, C); writes the projection of the latter
 ``sigmafast::rotary_``             q, k, v (..., H, T, D) (k, v optional), positions (..., T), cos/sin
                                    tables, sign -> None; rotates q, k, v in place (RoPE)
 ``sigmafast::draft_slots``         known (B, T), uniforms (B, T), R -> positions, uniforms, used (B, R),
@@ -41,10 +42,10 @@ op                                 inputs -> outputs
 ``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
 =================================  ==========================================================
 
-Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample``, ``decide``, ``linear_add_norm`` and
-``mlp_add_norm`` is functional: it returns new tensors and mutates none of its inputs. ``commit`` declares
-the session buffers it writes in place (``mutates_args``), ``rotary_`` the tensors it rotates, the next three
-their flag, and the last two the next projection's output.
+Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample``, ``decide``, ``linear_add_norm``,
+``mlp_add_norm`` and ``feed_embedding`` is functional: it returns new tensors and mutates none of its inputs.
+``commit`` declares the session buffers it writes in place (``mutates_args``), ``rotary_`` the tensors it
+rotates, the next three their flag, and the last three the next projection's output.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -200,15 +201,17 @@ def _(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, 
     return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
-@torch.library.custom_op("sigmafast::feed_embedding", mutates_args=())
+@torch.library.custom_op("sigmafast::feed_embedding", mutates_args=("next_out",))
 def _feed_embedding(last_tok: Tensor, last_pos: Tensor, tokens: Optional[Tensor], orders: Tensor, wte: Tensor,
                     pe_in: Optional[Tensor], pe_out: Optional[Tensor], weight: Optional[Tensor],
-                    bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
-    return feed_embedding_launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps)
+                    bias: Optional[Tensor], eps: float, next_weight: Optional[Tensor], next_bias: Optional[Tensor],
+                    next_out: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return feed_embedding_launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps,
+                                 next_weight, next_bias, next_out)
 
 
 @_feed_embedding.register_fake
-def _(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps):
+def _(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps, next_weight, next_bias, next_out):
     x = wte.new_empty(*orders.shape, wte.shape[1])
     return x, torch.empty_like(x)
 

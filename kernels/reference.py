@@ -323,15 +323,20 @@ def feed_inputs(last_tok, last_pos, tokens, orders) -> tuple[torch.Tensor, torch
     return torch.cat([tok, tokens[..., :-1]], dim=-1), torch.cat([pos, orders[..., :-1]], dim=-1)
 
 
-def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight=None, bias=None,
-                   eps=1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight=None, bias=None, eps=1e-5, *,
+                   next_weight=None, next_bias=None, next_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x = wte[token] + concat(pe_in[in_pos], pe_out[orders])`` of the inputs fed along the (B, G, S)
-    ``orders`` (:func:`feed_inputs`), and ``F.layer_norm(x, (C,), weight, bias, eps)``."""
+    ``orders`` (:func:`feed_inputs`), and ``h = F.layer_norm(x, (C,), weight, bias, eps)``. With
+    ``next_weight``, also ``next_out[:] = F.linear(h, next_weight, next_bias)`` (the first block's QKV
+    projection)."""
     tok, in_pos = feed_inputs(last_tok, last_pos, tokens, orders)
     x = F.embedding(tok, wte)
     if pe_in is not None:
         x = x + torch.cat([F.embedding(in_pos, pe_in), F.embedding(orders, pe_out)], dim=-1)
-    return x, F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    h = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    if next_weight is not None:
+        next_out.copy_(F.linear(h, next_weight, next_bias))
+    return x, h
 
 
 def along(values: torch.Tensor, orders: torch.Tensor) -> torch.Tensor:

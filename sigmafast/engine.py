@@ -65,7 +65,7 @@ class FusedEnds(SublayerEnds):
         y = attn.merge_heads(y, rotary)
         if not (self.narrow and _narrow(x, attn.c_proj)):
             return (*kernels.add_layer_norm(x, attn.c_proj(y), *params, backend="triton"), None)
-        nxt = _next_projection(x, next_qkv, qkv_out)
+        nxt = _next_projection(x.shape[:-1], x, next_qkv, qkv_out)
         s, h = kernels.linear_add_norm(x, y, attn.c_proj.weight, attn.c_proj.bias, *params, **nxt, backend="triton")
         return s, h, nxt.get("next_out")
 
@@ -76,25 +76,27 @@ class FusedEnds(SublayerEnds):
         one_layout = (mlp.c_fc.bias is None) == (mlp.c_proj.bias is None)
         if not (self.narrow and one_layout and _narrow(x, mlp.c_fc, mlp.c_proj)):
             return (*kernels.add_layer_norm(x, mlp(h), *params, backend="triton"), None)
-        nxt = _next_projection(x, next_qkv, qkv_out)
+        nxt = _next_projection(x.shape[:-1], x, next_qkv, qkv_out)
         s, h = kernels.mlp_add_norm(x, h, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
                                     *params, **nxt, backend="triton")
         return s, h, nxt.get("next_out")
 
 
 def _narrow(x: torch.Tensor, *layers: nn.Linear) -> bool:
-    """Whether the fused sublayer-end kernels take x's width and these layers' weights."""
+    """Whether the fused sublayer-end kernels take x's width (its last dimension) and dtype and these layers'
+    weights."""
     return x.shape[-1] <= kernels.checks.FUSED_END_WIDTH and all(
         layer.weight.is_contiguous() and layer.weight.dtype == x.dtype for layer in layers)
 
 
-def _next_projection(x: torch.Tensor, layer: Optional[nn.Linear], out: Optional[torch.Tensor]) -> dict:
-    """The fused ends' next-projection arguments: ``layer`` (the next block's ``c_attn``, or None) and its
-    output, ``out`` or a new (..., 3C) tensor; none when there is no layer or the kernel cannot take it."""
+def _next_projection(lead: tuple, x: torch.Tensor, layer: Optional[nn.Linear], out: Optional[torch.Tensor]) -> dict:
+    """The fused kernels' next-projection arguments for rows of x's width and dtype with leading dims ``lead``:
+    ``layer`` (the next block's ``c_attn``, or None) and its output, ``out`` or a new (*lead, 3C) tensor; none
+    when there is no layer or the kernel cannot take it."""
     if layer is None or not _narrow(x, layer):
         return {}
     if out is None:
-        out = x.new_empty(*x.shape[:-1], layer.weight.shape[0])
+        out = x.new_empty(*lead, layer.weight.shape[0])
     return dict(next_weight=layer.weight, next_bias=layer.bias, next_out=out)
 
 
@@ -241,37 +243,41 @@ class NeuralSession:
         self.canvas, self.known = self.canvas[rows], self.known[rows]
         self.last_tok, self.last_pos = self.last_tok[rows], self.last_pos[rows]
 
-    def feed(self, orders: torch.Tensor, tokens: Optional[torch.Tensor]
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def feed(self, orders: torch.Tensor, tokens: Optional[torch.Tensor], qkv_out: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The first block's input x along (B, G, S) visiting orders, given the tokens at them (None when
         S == 1: only the last token is fed), its ``ln_1(x)`` when fused (else None), (B, G, S, C) each,
-        and the (B, G, S) input positions when they were needed (a RoPE model, or the unfused path; else
-        None). The embedding is one kernel (``kernels.feed_embedding``) on the Triton path when nothing
-        traces the step and dropout is off; eight small ops otherwise."""
+        the (B, G, S) input positions when they were needed (a RoPE model, or the unfused path; else
+        None), and the first block's QKV projection of ``ln_1(x)`` when the embedding kernel computed it
+        (into ``qkv_out``, (B, G, S, 3C), when given), else None. The embedding is one kernel
+        (``kernels.feed_embedding``) on the Triton path when nothing traces the step and dropout is off,
+        with the projection in a narrow model whose sublayer ends are fused; eight small ops otherwise."""
         model = self.model
         fused = self.embedding is not None and self.backend == "triton" and not traced() and not model.training
         tok = in_pos = None
         if model.config.rotary or not fused:
             tok, in_pos = kernels.reference.feed_inputs(self.last_tok, self.last_pos, tokens, orders)
         if fused:
-            x, h = kernels.feed_embedding(self.last_tok, self.last_pos, tokens, orders, *self.embedding,
+            wte = self.embedding[0]
+            nxt = _next_projection(orders.shape, wte, model.h[0].attn.c_attn, qkv_out) if self.fused_ends else {}
+            x, h = kernels.feed_embedding(self.last_tok, self.last_pos, tokens, orders, *self.embedding, **nxt,
                                           backend="triton")
-            return x, h, in_pos
-        return model.embed(tok, in_pos, orders), None, in_pos
+            return x, h, in_pos, nxt.get("next_out")
+        return model.embed(tok, in_pos, orders), None, in_pos, None
 
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, R) queried positions -> (B, R, V) logits of p(x_j | visited)."""
         B, R = positions.shape
         model, cache = self.model, self.cache
-        x, h, _ = self.feed(positions[..., None], None)  # (B, R, 1, C): R orders of one step
-        x, h = (t if t is None else t.view(B, R, -1) for t in (x, h))
+        x, h, _, proj = self.feed(positions[..., None], None)  # (B, R, 1, C): R orders of one step
+        x, h, proj = (t if t is None else t.view(B, R, -1) for t in (x, h, proj))
         rotary = self.rotary(self.last_pos[:, None].expand(B, R), positions)  # in the (B, H, R, D) layout
 
         def attend(i, q, k, v):  # (B, H, R, D)
             k_cache, v_cache = cache.layer(i)
             return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        return self.head(model.run_layers(x, attend, rotary, ends=self._ends(), h=h))
+        return self.head(model.run_layers(x, attend, rotary, ends=self._ends(), h=h, proj=proj))
 
     def rotary(self, in_pos: torch.Tensor, out_pos: torch.Tensor):
         """The model's RoPE of a forward at (..., T) positions (None without one): in-place kernels on the
@@ -279,9 +285,13 @@ class NeuralSession:
         model = self.model
         if not model.config.rotary:
             return None
-        if self.backend == "triton" and not traced() and not model.training:
+        if self._rotates_in_place():
             return FusedRotary(in_pos, out_pos, *model.rope_tables(), model.config.rotary_values)
         return model.rotary(in_pos, out_pos)
+
+    def _rotates_in_place(self) -> bool:
+        """Whether a RoPE model's forwards rotate in place (:class:`FusedRotary`)."""
+        return self.backend == "triton" and not traced() and not self.model.training
 
     def _ends(self) -> Optional[SublayerEnds]:
         """The sublayer ends of this step: fused on the Triton path when nothing traces it, else the plain
@@ -298,12 +308,14 @@ class NeuralSession:
         (``drafts`` may be None when R == 1: the last token alone is fed)."""
         B, O, R = orders.shape
         model, cache = self.model, self.cache
-        x, h, in_pos = self.feed(orders, drafts)  # (B, O, R, C)
-        rotary = None if in_pos is None else self.rotary(in_pos, orders)  # None without RoPE
         # eager (CUDA graphs): every layer's projection in one buffer, so that commit reads all layers' keys
         # and values from it (a stack of 5-d tensors is one copy kernel per layer on CUDA). An out= matmul:
         # eager only, and not with keys rotated out of place
-        shared = (rotary is None or isinstance(rotary, FusedRotary)) and not traced()
+        shared = not traced() and (not model.config.rotary or self._rotates_in_place())
+        c_attn = model.h[0].attn.c_attn
+        qkv = c_attn.weight.new_empty(model.config.n_layer, B, O, R, c_attn.weight.shape[0]) if shared else None
+        x, h, in_pos, proj = self.feed(orders, drafts, None if qkv is None else qkv[0])  # (B, O, R, C or 3C)
+        rotary = None if in_pos is None else self.rotary(in_pos, orders)  # None without RoPE
         keys, values = [], []
 
         def attend(i, q, k, v):  # (B, O, H, R, D)
@@ -315,11 +327,10 @@ class NeuralSession:
 
         if shared:
             C, H = x.shape[-1], model.config.n_head
-            qkv = x.new_empty(model.config.n_layer, B, O, R, 3 * C)
-            hidden = model.run_layers(x, attend, rotary, qkv_out=qkv, ends=self._ends(), h=h)
+            hidden = model.run_layers(x, attend, rotary, qkv_out=qkv, ends=self._ends(), h=h, proj=proj)
             kv = qkv[..., C:].unflatten(-1, (2, H, C // H)).permute(4, 0, 1, 2, 5, 3, 6)  # (2, L, B, O, H, R, D)
             return Verified(orders, hidden, None, kv[0], kv[1])
-        hidden = model.run_layers(x, attend, rotary, ends=self._ends(), h=h)  # keys and values stacked once
+        hidden = model.run_layers(x, attend, rotary, ends=self._ends(), h=h, proj=proj)  # keys, values stacked once
         return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -267,7 +267,7 @@ class SigmaGPT(nn.Module):
 
     def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None,
                    qkv_out: Optional[torch.Tensor] = None, ends: Optional[SublayerEnds] = None,
-                   h: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   h: Optional[torch.Tensor] = None, proj: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run every block with a custom attention: ``attend(layer, q, k, v) -> y``.
 
         x is (..., T, C); q, k, v and y are (..., H, T, D), already rotated by
@@ -276,14 +276,15 @@ class SigmaGPT(nn.Module):
         given. Each sublayer's end (its output projection or MLP, the residual add and the norm that
         follows, and maybe the next block's QKV projection) goes through ``ends`` (a :class:`SublayerEnds`,
         which may fuse them; the plain one when None). ``h`` is the first block's ``ln_1(x)`` when the
-        caller computed it with x (a fused embedding), else None. Returns the final hidden states after
-        ``ln_f``, (..., T, C).
+        caller computed it with x (a fused embedding), else None; ``proj`` is the first block's QKV
+        projection of it (..., T, 3C) when the caller computed that too (into ``qkv_out[0]`` when given),
+        else None. Returns the final hidden states after ``ln_f``, (..., T, C).
         """
         ends = SublayerEnds() if ends is None else ends
         blocks = list(self.h)
-        if h is None:
+        if h is None and proj is None:
             h = blocks[0].ln_1(x)
-        proj = None  # block i's QKV projection, when block i - 1's end computed it
+        # proj: block i's QKV projection, when the caller (i = 0) or block i - 1's end computed it
         for i, block in enumerate(blocks):
             if proj is None:
                 proj = block.attn.c_attn(h) if qkv_out is None else linear_into(h, block.attn.c_attn, qkv_out[i])

@@ -28,6 +28,8 @@ CASES = [
     (0, 3, 4, 32, "two", "affine"),  # no rows
 ]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=2e-3)}
+NEXT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+DEVICE = triton_device()
 V, P = 13, 21
 
 
@@ -58,18 +60,38 @@ def _inputs(case, dtype, seed, index_dtype=torch.int64, strided=False):
     return last_tok, last_pos, tokens if S > 1 else None, orders, wte, pe_in, pe_out, weight, bias
 
 
+def _projection(case, dtype, seed, strided) -> dict:
+    """The first block's QKV projection (3C, C) (with a bias on the first seed), and its output: rows of a
+    wider buffer when strided, as the verify pass's one buffer for every layer. Built on the Triton device,
+    since the kernel writes it in place."""
+    B, G, S, C = case[:4]
+    g = torch.Generator().manual_seed(100 + seed)
+    weight = (torch.randn(3 * C, C, generator=g) / C**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(3 * C, generator=g).to(dtype).to(DEVICE) if seed == 0 else None
+    out = torch.empty(B, G, S, 4 * C if strided else 3 * C, dtype=dtype, device=DEVICE)[..., :3 * C]
+    return dict(next_weight=weight, next_bias=bias, next_out=out.fill_(float("nan")))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_feed_embedding_matches_reference(case, dtype, poisoned_empty):
+@pytest.mark.parametrize("case,with_next", [(c, w) for c in CASES for w in (False, True) if c[3] <= 256 or not w],
+                         ids=lambda v: _ids(v) if isinstance(v, tuple) else "qkv" if v else "")
+def test_feed_embedding_matches_reference(case, with_next, dtype, poisoned_empty):
+    """With ``qkv``, the kernel also writes the first block's projection of h (up to 256 channels; wider is
+    rejected, below), to the sublayer-end kernels' tolerances (float16: a few roundings of the 3C outputs)."""
     for seed, strided in ((0, False), (1, True)):
         args = _inputs(case, dtype, seed, strided=strided)
-        x, h = feed_embedding(*args, 1e-5)
+        nxt = _projection(case, dtype, seed, strided) if with_next else {}
+        x, h = feed_embedding(*args, 1e-5, **nxt)
         want_x, _ = ref.feed_embedding(*args, 1e-5)
         assert x.shape == (*case[:3], case[3]) and h.shape == x.shape and x.dtype == dtype and h.dtype == dtype
         assert torch.equal(x, want_x)
         weight, bias = (None if t is None else t.float() for t in args[-2:])
         want_h = torch.nn.functional.layer_norm(want_x.float(), (case[3],), weight, bias, 1e-5)
         torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+        if with_next:
+            w, b = (None if t is None else t.cpu().float() for t in (nxt["next_weight"], nxt["next_bias"]))
+            torch.testing.assert_close(nxt["next_out"].cpu().float(), torch.nn.functional.linear(want_h, w, b),
+                                       **NEXT_TOL[dtype])
 
 
 def test_feed_embedding_feeds_the_previous_step():
@@ -114,6 +136,13 @@ def _bad_args(**bad):
     (dict(pe_out=torch.zeros(21, 12, dtype=torch.float16)), ValueError, "pe_out must be a \\(rows, 12\\)"),
     (dict(weight=torch.ones(23)), ValueError, "weight must be None or a float \\(24,\\)"),
     (dict(eps=-1.0), ValueError, "eps must be a positive float"),
+    (dict(next_out=torch.zeros(2, 3, 5, 72)), ValueError, "next_bias and next_out need a next_weight"),
+    (dict(next_weight=torch.zeros(72, 24)), ValueError, r"next_out must be a \(2, 3, 5, 72\) torch.float32"),
+    (dict(next_weight=torch.zeros(72, 23), next_out=torch.zeros(2, 3, 5, 72)), ValueError,
+     r"next_weight must be a contiguous \(72, 24\)"),
+    (dict(wte=torch.zeros(13, 260), pe_in=None, pe_out=None, weight=None, bias=None,
+          next_weight=torch.zeros(12, 260), next_out=torch.zeros(2, 3, 5, 12)), ValueError,
+     "next_weight needs wte's width at most 256"),
 ])
 def test_feed_embedding_rejects_bad_inputs(bad, err, match):
     with pytest.raises(err, match=match):
@@ -143,7 +172,7 @@ def test_fused_feed_matches_the_model_embedding(pos_encoding):
             sessions.append(session)
         fast, slow = sessions
         assert fast.embedding is not None
-        x, h, fed_pos = fast.feed(orders, drafts)
+        x, h, fed_pos, proj = fast.feed(orders, drafts)
         tok, in_pos = ref.feed_inputs(fast.last_tok, fast.last_pos, drafts, orders)
         if model.config.rotary:  # the fused path computes the input positions only for the RoPE angles
             assert torch.equal(fed_pos, in_pos)
@@ -152,7 +181,35 @@ def test_fused_feed_matches_the_model_embedding(pos_encoding):
         want = model.embed(tok, in_pos, orders)
         assert torch.equal(x, want)
         torch.testing.assert_close(h, model.h[0].ln_1(want), rtol=1e-5, atol=1e-5)
-        assert slow.feed(orders, drafts)[1] is None
+        torch.testing.assert_close(proj, model.h[0].attn.c_attn(model.h[0].ln_1(want)), rtol=1e-5, atol=1e-5)
+        assert slow.feed(orders, drafts)[1] is None and slow.feed(orders, drafts)[3] is None
         torch.testing.assert_close(fast.draft(orders[:, 0]), slow.draft(orders[:, 0]), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(fast.verify(orders, drafts).hidden, slow.verify(orders, drafts).hidden,
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused_ends", [True, False], ids=["fused-ends", "cublas-ends"])
+def test_fused_feed_takes_the_first_blocks_projection(fused_ends):
+    """In a narrow model with fused sublayer ends, the embedding kernel computes the first block's QKV
+    projection, so a session's draft and verification run no module matmul at all (the verification's into
+    the one buffer of every layer's projections, whose keys and values commit reads); without the fused ends
+    the first c_attn runs as a module."""
+    model = tiny_model(vocab_size=7, block_size=12, seed=2, std=0.5, dtype=torch.float32).to(DEVICE)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "h." in name}
+    ran = []
+    for name, m in linears.items():
+        m.register_forward_hook(lambda mod, args, out, name=name: ran.append(name))
+    idx = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        session = NeuralSession(model, 2, 12, "triton", fused_ends=fused_ends)
+        session.prefill(torch.zeros(2, 12, dtype=torch.long, device=DEVICE).index_copy_(
+            1, torch.arange(3, device=DEVICE), idx), torch.arange(12, device=DEVICE).expand(2, 12) < 3)
+        ran.clear()
+        positions = torch.arange(3, 12, device=DEVICE).expand(2, 9)
+        session.draft(positions)
+        orders = positions[:, None, :4].expand(2, 3, 4)
+        session.verify(orders, torch.randint(0, 7, (2, 3, 4), generator=torch.Generator().manual_seed(1)).to(DEVICE))
+    if fused_ends:
+        assert ran == []
+    else:
+        assert "h.0.attn.c_attn" in ran
