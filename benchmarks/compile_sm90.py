@@ -91,6 +91,7 @@ def _cases(dtype: torch.dtype):
     p = torch.randn(N, V, generator=g).to(dtype)
     u = torch.rand(N, generator=g, dtype=torch.float64)  # the engine's draws
     d = torch.randint(0, V, (N,), generator=g)
+    ratio = (torch.randn(N, generator=g) - 3, torch.empty(N))  # the engine's log q calls: draft log p, log ratio
     h = torch.randn(N, C, generator=g).to(dtype)
     w = torch.randn(V, C, generator=g).to(dtype)
     for D in (64, 128, 256):
@@ -100,12 +101,13 @@ def _cases(dtype: torch.dtype):
     for T, k in ((1.0, None), (0.8, 50)):
         yield f"sample T={T} top-k={k}", lambda T=T, k=k: sampling.launch(x, None, u, T, k)
         yield f"residual sample T={T} top-k={k}", lambda T=T, k=k: sampling.launch(x, p, u, T, k)
-        yield f"draft log q T={T} top-k={k}", lambda T=T, k=k: accept.draft_logq(x, d, T, k)
+        yield f"draft log q T={T} top-k={k}", lambda T=T, k=k: accept.draft_logq(x, d, T, k, None, *ratio)
     yield "draft argmax (greedy acceptance)", lambda: accept.draft_logq(x, d, 0.0)
     yield "top-k threshold (chunk-max prefilter)", lambda: topk.kth_largest(x, 50)
     yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)
-    yield "top-k log q from the candidates", lambda: accept.topk_logq(x, d, 0.8, 50)
-    yield "fused LM head log q", lambda: accept.lm_head_logq(h, w, d, 1.0)
+    yield "top-k log q from the candidates", lambda: accept.topk_logq(x, d, 0.8, 50, draft_logp=ratio[0],
+                                                                      log_ratio=ratio[1])
+    yield "fused LM head log q", lambda: accept.lm_head_logq(h, w, d, 1.0, *ratio)
     yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
     for D in (64, 128):
         yield f"commit D={D}", lambda D=D: _commit(commit_step, dtype, D, g)

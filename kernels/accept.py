@@ -14,9 +14,10 @@ needs no second read of the row: the prefilter's candidates hold every logit
 >= the k-th largest, so ``_topk_logq_kernel`` takes the log-sum-exp over them
 (over the whole row for a row whose candidates overflowed), and top-k
 acceptance reads the logits about 1.1 times (the chunk maxima, then the
-qualifying chunks) instead of about 2.1 (then the chunk statistics). The accept/reject
-decisions are a handful of (B, O, R) torch ops, the same as the reference's,
-so they agree with it exactly for the same log q. On an H200 at 1280 rows ×
+qualifying chunks) instead of about 2.1 (then the chunk statistics). Each log q
+kernel also writes log q - log p (the reference's difference, bit for bit), so
+that the accept/reject decisions (:mod:`.decide`) take one exp and one kernel
+after it, and agree with the reference exactly for the same log q. On an H200 at 1280 rows ×
 50257 bf16 this takes 72.7 µs at temperature 1 (100 µs at 0.9, which divides)
 where the previous single-pass kernel (one row per program, a serial loop over
 the row) took 133 µs: CUDA-graph timings, benchmarks/RESULTS.md.
@@ -62,6 +63,17 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+@triton.jit
+def store_logq(LOGQ, DLP, RATIO, o_n64, m_n, b_logq, HAS_DLP: tl.constexpr):
+    """Store the rows' float32 log q and, with the drafts' log p DLP (any float dtype), the log ratio
+    ``log q - float32(log p)`` to RATIO: the reference's difference, bit for bit (one IEEE subtraction), so
+    that the decisions need one op after it (the exp) instead of two."""
+    tl.store(LOGQ + o_n64, b_logq, mask=m_n)
+    if HAS_DLP:
+        b_lp = tl.load(DLP + o_n64, mask=m_n, other=0.0).to(tl.float32)
+        tl.store(RATIO + o_n64, b_logq - b_lp, mask=m_n)
+
+
 @triton.jit(do_not_specialize=["s_x", "N"])
 def _draft_argmax_kernel(
     X, ARGMAX, s_x, N, V,
@@ -87,13 +99,14 @@ def _draft_argmax_kernel(
     tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["DRAFT", "KTH"])
+@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["DRAFT", "KTH", "DLP", "RATIO"])
 def _logq_finish_kernel(
-    X, DRAFT, KTH, M, S, LOGQ, s_x, N, V, NC, temperature,
+    X, DRAFT, KTH, M, S, LOGQ, DLP, RATIO, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    HAS_DLP: tl.constexpr,
 ):
     """(N,) log q of the drafts from the (N, NC) chunk partials of ``vocab.chunk_stats``: the draft's
-    processed logit minus the row log-sum-exp."""
+    processed logit minus the row log-sum-exp (and the log ratio, :func:`store_logq`)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -104,13 +117,13 @@ def _logq_finish_kernel(
     if HAS_TOPK:
         kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)
     b_xd = window_load(X + o_n64 * (s_x * STRIDE_UNIT), d, m_d, m_d, kth, temperature, HAS_TOPK)  # as chunk_stats
-    tl.store(LOGQ + o_n64, b_xd - r_m - tl.log(r_t), mask=m_n)
+    store_logq(LOGQ, DLP, RATIO, o_n64, m_n, b_xd - r_m - tl.log(r_t), HAS_DLP)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "V"], do_not_specialize_on_alignment=["DRAFT", "KTH"])
+@triton.jit(do_not_specialize=["s_x", "N", "V"], do_not_specialize_on_alignment=["DRAFT", "KTH", "DLP", "RATIO"])
 def _topk_logq_kernel(
-    X, DRAFT, KTH, CAND, COUNT, LOGQ, s_x, N, V, temperature,
-    CAP: tl.constexpr, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    X, DRAFT, KTH, CAND, COUNT, LOGQ, DLP, RATIO, s_x, N, V, temperature,
+    CAP: tl.constexpr, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, HAS_DLP: tl.constexpr,
 ):
     """(N,) log q of the drafts under top-k: the log-sum-exp over the row's prefilter candidates, which hold
     every logit >= the k-th largest (no second read of the row), or over the whole row when they overflowed."""
@@ -138,14 +151,16 @@ def _topk_logq_kernel(
     m_d = m_n & (d >= 0) & (d < V)  # a draft outside the vocabulary has log q = -inf
     b_xd = window_load(X + o_n64 * s_x, d, m_d, m_d, kth, temperature, True)
     r_m = tl.where(b_m == float("-inf"), 0.0, b_m)
-    tl.store(LOGQ + o_n64, b_xd - r_m - tl.log(b_s), mask=m_n)
+    store_logq(LOGQ, DLP, RATIO, o_n64, m_n, b_xd - r_m - tl.log(b_s), HAS_DLP)
 
 
-def topk_logq(logits, drafts, temperature, top_k, block_v=None, chunk=None, cap=CAP, chunks_per_k=CHUNKS_PER_K):
+def topk_logq(logits, drafts, temperature, top_k, block_v=None, chunk=None, cap=CAP, chunks_per_k=CHUNKS_PER_K,
+              draft_logp=None, log_ratio=None):
     """Launch (no checks): (N,) float32 log q of the (N,) drafts under top-k of (N, V) logits (0 < temperature,
     1 <= top_k < V) from the top-k prefilter's candidates (``topk.prefilter``), or None when the prefilter
     does not apply (too few chunks per k). ``draft_logq`` takes it on CUDA; the tests override the tiling as
-    for ``topk.kth_largest``."""
+    for ``topk.kth_largest``. With the (N,) ``draft_logp``, also writes ``log q - log p`` into the contiguous
+    (N,) float32 ``log_ratio``."""
     N, V = logits.shape
     config = prefilter_config(V, logits.dtype, top_k, block_v, chunk, chunks_per_k)
     if config is None:
@@ -157,15 +172,26 @@ def topk_logq(logits, drafts, temperature, top_k, block_v=None, chunk=None, cap=
     logits = aligned_rows(logits, cfg.unit)
     kth, cand, count = prefilter(logits, top_k, config, cap)
     _topk_logq_kernel[(N,)](
-        logits, drafts.contiguous(), kth, cand, count, res, row_stride(logits) // cfg.unit, N, V, float(temperature),
-        CAP=cap, SCAN_V=SCAN_V, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=4,
+        logits, drafts.contiguous(), kth, cand, count, res, *_ratio_args(draft_logp, log_ratio, res),
+        row_stride(logits) // cfg.unit, N, V, float(temperature),
+        CAP=cap, SCAN_V=SCAN_V, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, HAS_DLP=draft_logp is not None, num_warps=4,
     )
     return res
 
 
-def draft_logq(logits, drafts, temperature, top_k=None, block_v=None) -> torch.Tensor:
+def _ratio_args(draft_logp, log_ratio, dummy) -> tuple:
+    """The kernels' DLP and RATIO pointers: the drafts' (N,) log p (contiguous) and the (N,) log-ratio output,
+    or a dummy for both (HAS_DLP False: never read)."""
+    if draft_logp is None:
+        return dummy, dummy
+    return draft_logp.contiguous(), log_ratio
+
+
+def draft_logq(logits, drafts, temperature, top_k=None, block_v=None, draft_logp=None, log_ratio=None
+               ) -> torch.Tensor:
     """Launch (no checks): (N, V) logits, (N,) drafts -> (N,) float32 log q of the drafts, or the
-    (N,) int64 argmax when ``temperature`` is 0."""
+    (N,) int64 argmax when ``temperature`` is 0. With the drafts' (N,) log p ``draft_logp`` (temperature
+    > 0), also writes ``log q - log p`` (:func:`store_logq`) into the contiguous (N,) float32 ``log_ratio``."""
     N, V = logits.shape
     greedy = temperature == 0
     res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=logits.device)
@@ -182,7 +208,7 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None) -> torch.T
         )
         return res
     if logits.is_cuda and top_k is not None and top_k < V:  # one read: the log-sum-exp from the candidates
-        res = topk_logq(logits, drafts, temperature, top_k, block_v)
+        res = topk_logq(logits, drafts, temperature, top_k, block_v, draft_logp=draft_logp, log_ratio=log_ratio)
         if res is not None:
             return res
     cfg = split_config(V, logits.dtype, block_v)
@@ -191,8 +217,9 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None) -> torch.T
     s_x = row_stride(logits) // cfg.unit
     m, s = chunk_stats(logits, kth, temperature, cfg, s_x)  # (N, NC) each
     _logq_finish_kernel[(triton.cdiv(N, FINISH_ROWS),)](
-        logits, drafts, kth if kth is not None else res, m, s, res, s_x, N, V, cfg.nc, float(temperature),
-        BLOCK_N=FINISH_ROWS, NC_PAD=cfg.nc_pad, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit, num_warps=4,
+        logits, drafts, kth if kth is not None else res, m, s, res, *_ratio_args(draft_logp, log_ratio, res), s_x, N,
+        V, cfg.nc, float(temperature), BLOCK_N=FINISH_ROWS, NC_PAD=cfg.nc_pad, HAS_TOPK=kth is not None,
+        STRIDE_UNIT=cfg.unit, HAS_DLP=draft_logp is not None, num_warps=4,
     )
     return res
 
@@ -227,11 +254,21 @@ def acceptance(
 
     B, O, R, V = logits.shape
     greedy = temperature == 0
-    res = torch.ops.sigmafast.draft_logq(
-        logits.reshape(B * O * R, V), drafts.reshape(-1), float(temperature), None if greedy else top_k, block_v
-    )
+    logp, ratio = _ratio_buffers(draft_logp, temperature, logits.dtype)
+    res = torch.ops.sigmafast.draft_logq(logits.reshape(B * O * R, V), drafts.reshape(-1), float(temperature),
+                                         None if greedy else top_k, block_v, logp, ratio)
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(logits.dtype))
-    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule, flag)
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule, flag,
+                  log_ratio=None if ratio is None else ratio.view(B, O, R))
+
+
+def _ratio_buffers(draft_logp: torch.Tensor, temperature: float, dtype: torch.dtype):
+    """The log q kernels' (N,) draft log p and new (N,) log-ratio output for (B, O, R) ``draft_logp``, when the
+    decisions take the ratio from them (temperature > 0, float32 log q); else (None, None)."""
+    if temperature == 0 or _score_dtype(dtype) != torch.float32:
+        return None, None
+    logp = draft_logp.reshape(-1)
+    return logp, logp.new_empty(logp.shape, dtype=torch.float32)
 
 
 @triton.jit(do_not_specialize=["s_h", "s_w", "N", "V", "C", "NVT"], do_not_specialize_on_alignment=["DRAFT"])
@@ -276,12 +313,13 @@ def _lm_head_stats_kernel(
     tl.store(M + o_p, b_m, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["N", "V", "NVT"], do_not_specialize_on_alignment=["DRAFT"])
+@triton.jit(do_not_specialize=["N", "V", "NVT"], do_not_specialize_on_alignment=["DRAFT", "DLP", "RATIO"])
 def _lm_head_finish_kernel(
-    DRAFT, M, S, XD, LOGQ, ARGMAX, N, V, NVT,
-    BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, GREEDY: tl.constexpr,
+    DRAFT, M, S, XD, LOGQ, ARGMAX, DLP, RATIO, N, V, NVT,
+    BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, GREEDY: tl.constexpr, HAS_DLP: tl.constexpr,
 ):
-    """(N,) log q of the drafts from the (N, NVT) tile partials, or the first argmax when greedy."""
+    """(N,) log q of the drafts from the (N, NVT) tile partials (and the log ratio, :func:`store_logq`), or
+    the first argmax when greedy."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -298,7 +336,7 @@ def _lm_head_finish_kernel(
         d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
         m_d = m_n & (d >= 0) & (d < V)  # a draft outside the vocabulary has log q = -inf
         b_xd = tl.load(XD + o_n64, mask=m_d, other=float("-inf"))
-        tl.store(LOGQ + o_n64, b_xd - r_m - tl.log(r_t), mask=m_n)
+        store_logq(LOGQ, DLP, RATIO, o_n64, m_n, b_xd - r_m - tl.log(r_t), HAS_DLP)
 
 
 def acceptance_from_hidden(
@@ -342,28 +380,32 @@ def acceptance_from_hidden(
 
     greedy = temperature == 0
     rows, flat_drafts = hidden.reshape(B * O * R, C), drafts.reshape(-1)
+    logp, ratio = _ratio_buffers(draft_logp, temperature, hidden.dtype)
     if scoring == "matmul" or (top_k is not None and top_k < V and not greedy):
         step = max(1, CHUNK_ELEMENTS // max(V, 1))
         parts = [
             torch.ops.sigmafast.draft_logq((rows[i: i + step] @ weight.T)[:, :V], flat_drafts[i: i + step],
-                                           float(temperature), None if greedy else top_k, None)
+                                           float(temperature), None if greedy else top_k, None,
+                                           *((None, None) if ratio is None else (logp[i: i + step], ratio[i: i + step])))
             for i in range(0, max(B * O * R, 1), step)
         ]
         res = (parts[0] if len(parts) == 1 else torch.cat(parts))[: B * O * R]
     else:
-        res = torch.ops.sigmafast.lm_head_logq(rows, weight[:V], flat_drafts, float(temperature))
+        res = torch.ops.sigmafast.lm_head_logq(rows, weight[:V], flat_drafts, float(temperature), logp, ratio)
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(hidden.dtype))
-    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule, flag)
+    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule, flag,
+                  log_ratio=None if ratio is None else ratio.view(B, O, R))
 
 
 LM_HEAD_TILES = (64, 128, 64)  # (BLOCK_N, BLOCK_V, BLOCK_C max): fixed, never from the row count
 
 
-def lm_head_logq(hidden, weight, drafts, temperature) -> torch.Tensor:
+def lm_head_logq(hidden, weight, drafts, temperature, draft_logp=None, log_ratio=None) -> torch.Tensor:
     """Launch (no checks): (N, C) hidden states, (V, C) weight, (N,) drafts -> (N,) float32 log q of
     the drafts under softmax(hidden @ weight.T / temperature), or the (N,) int64 argmax at temperature 0.
     A (row blocks, vocabulary tiles) grid, row blocks fastest so that the programs running together share
-    a weight tile in L2, then a finishing kernel over each row's NVT tile partials."""
+    a weight tile in L2, then a finishing kernel over each row's NVT tile partials. ``draft_logp`` and
+    ``log_ratio`` as in :func:`draft_logq`."""
     N, C = hidden.shape
     V = weight.shape[0]
     greedy = temperature == 0
@@ -387,6 +429,7 @@ def lm_head_logq(hidden, weight, drafts, temperature) -> torch.Tensor:
     nc_pad = max(2, triton.next_power_of_2(nvt))
     rows_per = max(1, min(64, 8192 // nc_pad))
     _lm_head_finish_kernel[(triton.cdiv(N, rows_per),)](
-        drafts, m, s, xd, res, res, N, V, nvt, BLOCK_N=rows_per, NC_PAD=nc_pad, GREEDY=greedy, num_warps=4,
+        drafts, m, s, xd, res, res, *_ratio_args(draft_logp, log_ratio, res), N, V, nvt, BLOCK_N=rows_per,
+        NC_PAD=nc_pad, GREEDY=greedy, HAS_DLP=draft_logp is not None, num_warps=4,
     )
     return res

@@ -110,11 +110,13 @@ def launch(scores, drafts, uniforms, lengths, greedy: bool, paper: bool, flag=No
     return accept, n_accept, first, best, n_best
 
 
-def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule="paper", flag=None) -> Acceptance:
+def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule="paper", flag=None,
+           log_ratio=None) -> Acceptance:
     """``reference.decide`` with one kernel after the ratio: (B, O, R) scores (log q, or the verifier's
     argmax when ``temperature == 0``), drafts, draft log p and uniforms; (B,) lengths. With a () bool
-    ``flag`` (temperature > 0), also ``reference.flag_nan_ratios``, in the kernel. Called by the Triton
-    acceptance ops after their own input checks."""
+    ``flag`` (temperature > 0), also ``reference.flag_nan_ratios``, in the kernel. ``log_ratio``: the
+    (B, O, R) float32 ``log q - log p`` when the log q kernel wrote it (``accept.store_logq``), else None (it
+    is computed here). Called by the Triton acceptance ops after their own input checks."""
     greedy = temperature == 0
     if (not greedy and scores.dtype != torch.float32) or drafts.numel() == 0:
         return reference.flagged(reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule),
@@ -126,7 +128,8 @@ def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule=
         test = scores
     else:
         logq = scores
-        test = torch.exp(logq - draft_logp.to(logq.dtype))  # the reference's ratio, bit for bit
+        diff = logq - draft_logp.to(logq.dtype) if log_ratio is None else log_ratio
+        test = torch.exp(diff)  # the reference's ratio, bit for bit
     accept, n_accept, first, best, n_best = torch.ops.sigmafast.decide(test, drafts, uniforms, lengths, greedy,
                                                                        rule == "paper", flag)
     return Acceptance(logq, accept, n_accept, best, first, n_best)

@@ -6,8 +6,11 @@ op                                 inputs -> outputs
 =================================  ==========================================================
 ``sigmafast::burst_attention``     q, k, v (B, H, R, D), caches (B, H, L, D), lens (B,) -> like q
 ``sigmafast::verify_attention``    q, k, v (B, O, H, R, D), caches, lens -> like q
-``sigmafast::draft_logq``          logits (N, V), drafts (N,) -> (N,) float32 log q (int64 argmax at T=0)
-``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,) -> as ``draft_logq``
+``sigmafast::draft_logq``          logits (N, V), drafts (N,), their log p and a log-ratio output (N,)
+                                   or None -> (N,) float32 log q (int64 argmax at T=0); writes
+                                   log q - log p
+``sigmafast::lm_head_logq``        hidden (N, C), weight (V, C), drafts (N,), log p, output -> as
+                                   ``draft_logq``
 ``sigmafast::sample``              logits (N, V), uniforms (N,), used (N,) or None, flag () or None
                                    -> tokens (N,) int64, float32 log-probs (N,); sets flag when a used
                                    row is not finite
@@ -43,9 +46,10 @@ op                                 inputs -> outputs
 =================================  ==========================================================
 
 Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample``, ``decide``, ``linear_add_norm``,
-``mlp_add_norm`` and ``feed_embedding`` is functional: it returns new tensors and mutates none of its inputs.
-``commit`` declares the session buffers it writes in place (``mutates_args``), ``rotary_`` the tensors it
-rotates, the next three their flag, and the last three the next projection's output.
+``mlp_add_norm``, ``feed_embedding``, ``draft_logq`` and ``lm_head_logq`` is functional: it returns new
+tensors and mutates none of its inputs. ``commit`` declares the session buffers it writes in place
+(``mutates_args``), ``rotary_`` the tensors it rotates, the next three their flag, the next three the next
+projection's output, and the last two their log ratio.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -104,24 +108,26 @@ def _scores(rows: Tensor, temperature: float) -> Tensor:
     return rows.new_empty(rows.shape[0], dtype=torch.int64 if temperature == 0 else torch.float32)
 
 
-@torch.library.custom_op("sigmafast::draft_logq", mutates_args=())
+@torch.library.custom_op("sigmafast::draft_logq", mutates_args=("log_ratio",))
 def _draft_logq(logits: Tensor, drafts: Tensor, temperature: float, top_k: Optional[int] = None,
-                block_v: Optional[int] = None) -> Tensor:
-    return draft_logq(logits, drafts, temperature, top_k, block_v)
+                block_v: Optional[int] = None, draft_logp: Optional[Tensor] = None,
+                log_ratio: Optional[Tensor] = None) -> Tensor:
+    return draft_logq(logits, drafts, temperature, top_k, block_v, draft_logp, log_ratio)
 
 
 @_draft_logq.register_fake
-def _(logits, drafts, temperature, top_k=None, block_v=None):
+def _(logits, drafts, temperature, top_k=None, block_v=None, draft_logp=None, log_ratio=None):
     return _scores(logits, temperature)
 
 
-@torch.library.custom_op("sigmafast::lm_head_logq", mutates_args=())
-def _lm_head_logq(hidden: Tensor, weight: Tensor, drafts: Tensor, temperature: float) -> Tensor:
-    return lm_head_logq(hidden, weight, drafts, temperature)
+@torch.library.custom_op("sigmafast::lm_head_logq", mutates_args=("log_ratio",))
+def _lm_head_logq(hidden: Tensor, weight: Tensor, drafts: Tensor, temperature: float,
+                  draft_logp: Optional[Tensor] = None, log_ratio: Optional[Tensor] = None) -> Tensor:
+    return lm_head_logq(hidden, weight, drafts, temperature, draft_logp, log_ratio)
 
 
 @_lm_head_logq.register_fake
-def _(hidden, weight, drafts, temperature):
+def _(hidden, weight, drafts, temperature, draft_logp=None, log_ratio=None):
     return _scores(hidden, temperature)
 
 

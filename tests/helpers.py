@@ -164,6 +164,19 @@ def on_triton_device(fn):
     return call
 
 
+def assert_log_ratio(call, logq: torch.Tensor, seed: int) -> None:
+    """``call(draft_logp, log_ratio)``, a log q launcher given the drafts' (N,) float32 log p and a NaN-filled
+    (N,) output, returns ``logq`` again and writes ``logq - draft_logp`` bit for bit: +inf where only the log p
+    is -inf (a third of the rows), NaN where both are."""
+    N = logq.shape[0]
+    logp = -5 * torch.rand(N, generator=torch.Generator().manual_seed(seed))
+    logp[: N // 3] = float("-inf")
+    ratio = torch.full((N,), float("nan"), device=triton_device())
+    got = call(logp.to(triton_device()), ratio)
+    assert torch.equal(got.cpu(), logq.cpu())
+    torch.testing.assert_close(ratio.cpu(), logq.cpu() - logp, rtol=0, atol=0, equal_nan=True)
+
+
 def assert_same_tokens(tokens, want, probs, uniforms):
     """Tokens equal the reference's except at a float-rounding tie of the inverse CDF."""
     differ = (tokens != want).nonzero().flatten()

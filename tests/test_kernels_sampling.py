@@ -15,7 +15,7 @@ import torch
 
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
-from helpers import on_triton_device
+from helpers import assert_log_ratio, on_triton_device
 from sigmafast.kernels import accept, sampling
 from sigmafast.kernels import reference as ref
 
@@ -166,6 +166,23 @@ def test_acceptance_matches_reference(case, rule):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     if R > 1 and T > 0:
         assert 0 < got.accept.float().mean() < 1  # both outcomes occur
+        _assert_knife_edge_decisions(lambda u: acceptance(logits, drafts, draft_logp, u, lengths, T, k, rule,
+                                                          block_v=bv), got.logq, drafts, draft_logp, lengths, T, rule)
+
+
+def _assert_knife_edge_decisions(call, logq, drafts, draft_logp, lengths, temperature, rule):
+    """``call(u)``, the Triton acceptance with uniforms ``u``, decides as the reference from the same log q
+    when each uniform is the step's ratio q/p itself or one float32 step below it (where a ratio off by one
+    rounding, either way, flips the decision); ratios >= 1 get 0.5."""
+    ratio = torch.exp(logq - draft_logp.to(logq.dtype))
+    below = torch.nextafter(ratio, torch.zeros_like(ratio))
+    u = torch.where(torch.rand(ratio.shape, generator=torch.Generator().manual_seed(3)) < 0.5, ratio, below)
+    u = torch.where(ratio < 1, u, 0.5).float()
+    got = call(u)
+    want = ref.decide(logq, drafts, draft_logp, u, lengths, temperature, rule)
+    assert torch.equal(got.logq, logq)
+    for name in ("accept", "n_accept", "best", "first_reject", "n_best"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 @pytest.mark.parametrize("scoring,chunk", [("fused", None), ("matmul", None), ("matmul", 1000)],
@@ -202,6 +219,10 @@ def test_acceptance_from_hidden(temperature, top_k, rule, scoring, chunk, monkey
         torch.testing.assert_close(got.logq, exact, rtol=0, atol=1e-5)
     for name in ("accept", "n_accept", "best", "first_reject", "n_best"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+    if temperature > 0:
+        _assert_knife_edge_decisions(lambda u: acceptance_from_hidden(
+            hidden, weight, drafts, draft_logp, u, lengths, temperature, top_k, rule, scoring=scoring),
+            got.logq, drafts, draft_logp, lengths, temperature, rule)
     with pytest.raises(ValueError, match="weight must be"):
         acceptance_from_hidden(hidden, weight[:, :8], drafts, draft_logp, u, lengths, temperature, top_k, rule)
     with pytest.raises(ValueError, match="scoring must be one of"):
@@ -231,6 +252,8 @@ def test_fused_lm_head_tiles(temperature, poisoned_empty):
     want = ref.log_probs(logits, temperature, None).gather(-1, drafts.clamp(0, V - 1)[:, None]).squeeze(-1)
     assert torch.all(got[:2] == float("-inf"))
     torch.testing.assert_close(got[2:], want[2:], rtol=0, atol=1e-5)
+    assert_log_ratio(lambda logp, ratio: on_triton_device(accept.lm_head_logq)(hidden, weight, drafts, temperature,
+                                                                               logp, ratio), got, 3)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import on_triton_device
+from helpers import assert_log_ratio, on_triton_device
 from sigmafast.kernels import reference as ref
 from sigmafast.kernels import topk
 
@@ -196,6 +196,9 @@ def test_topk_log_q_from_the_candidates_matches_the_reference(case, dtype, tempe
     assert torch.equal(got.isfinite(), want.isfinite()), f"finite where the reference is not: {got} {want}"
     torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-5)
     assert torch.all(got[~want.isfinite()] == float("-inf"))
+    assert_log_ratio(lambda logp, ratio: on_triton_device(accept.topk_logq)(
+        x, drafts, temperature, k, block_v, chunk, **({"cap": cap} if cap else {}), chunks_per_k=1, draft_logp=logp,
+        log_ratio=ratio), got, N)
 
 
 def test_topk_log_q_needs_the_prefilter():

@@ -10,7 +10,7 @@ import triton
 
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
-from helpers import on_triton_device
+from helpers import assert_log_ratio, on_triton_device
 from sigmafast.kernels import accept, sampling
 from sigmafast.kernels import reference as ref
 
@@ -112,6 +112,7 @@ def test_draft_logq_edge_cases(case, poisoned_empty):
     finite = want.isfinite()
     torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-5)
     assert torch.all(got[~finite] == float("-inf"))
+    assert_log_ratio(lambda logp, ratio: draft_logq(x, drafts, T, k, bv, logp, ratio), got, N + V)
     assert torch.equal(draft_logq(x, drafts, 0.0, None, bv), x.argmax(-1))
 
 
