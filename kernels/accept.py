@@ -383,11 +383,12 @@ def acceptance_from_hidden(
     logp, ratio = _ratio_buffers(draft_logp, temperature, hidden.dtype)
     if scoring == "matmul" or (top_k is not None and top_k < V and not greedy):
         step = max(1, CHUNK_ELEMENTS // max(V, 1))
+        rows_of = [slice(i, i + step) for i in range(0, max(B * O * R, 1), step)]
         parts = [
-            torch.ops.sigmafast.draft_logq((rows[i: i + step] @ weight.T)[:, :V], flat_drafts[i: i + step],
-                                           float(temperature), None if greedy else top_k, None,
-                                           *((None, None) if ratio is None else (logp[i: i + step], ratio[i: i + step])))
-            for i in range(0, max(B * O * R, 1), step)
+            torch.ops.sigmafast.draft_logq((rows[r] @ weight.T)[:, :V], flat_drafts[r], float(temperature),
+                                           None if greedy else top_k, None,
+                                           *((None, None) if ratio is None else (logp[r], ratio[r])))
+            for r in rows_of
         ]
         res = (parts[0] if len(parts) == 1 else torch.cat(parts))[: B * O * R]
     else:
