@@ -15,7 +15,7 @@ import torch
 
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
-from helpers import assert_log_ratio, on_triton_device
+from helpers import assert_log_ratio, on_triton_device, triton_device
 from sigmafast.kernels import accept, sampling
 from sigmafast.kernels import reference as ref
 
@@ -173,16 +173,19 @@ def test_acceptance_matches_reference(case, rule):
 def _assert_knife_edge_decisions(call, logq, drafts, draft_logp, lengths, temperature, rule):
     """``call(u)``, the Triton acceptance with uniforms ``u``, decides as the reference from the same log q
     when each uniform is the step's ratio q/p itself or one float32 step below it (where a ratio off by one
-    rounding, either way, flips the decision); ratios >= 1 get 0.5."""
+    rounding, either way, flips the decision); ratios >= 1 get 0.5. The ratios and the reference's decisions
+    are taken on the kernels' device: torch's exp on a GPU need not round as on the CPU."""
+    dev = triton_device()
+    logq, drafts, draft_logp, lengths = (t.to(dev) for t in (logq, drafts, draft_logp, lengths))
     ratio = torch.exp(logq - draft_logp.to(logq.dtype))
     below = torch.nextafter(ratio, torch.zeros_like(ratio))
-    u = torch.where(torch.rand(ratio.shape, generator=torch.Generator().manual_seed(3)) < 0.5, ratio, below)
-    u = torch.where(ratio < 1, u, 0.5).float()
-    got = call(u)
+    pick = torch.rand(ratio.shape, generator=torch.Generator().manual_seed(3)).to(dev) < 0.5
+    u = torch.where(ratio < 1, torch.where(pick, ratio, below), 0.5).float()
+    got = call(u.cpu())
     want = ref.decide(logq, drafts, draft_logp, u, lengths, temperature, rule)
-    assert torch.equal(got.logq, logq)
+    assert torch.equal(got.logq, logq.cpu())
     for name in ("accept", "n_accept", "best", "first_reject", "n_best"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert torch.equal(getattr(got, name), getattr(want, name).cpu()), name
 
 
 @pytest.mark.parametrize("scoring,chunk", [("fused", None), ("matmul", None), ("matmul", 1000)],
