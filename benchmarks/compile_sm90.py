@@ -75,7 +75,7 @@ def _resources(kernel) -> dict:
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
     from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm,
-                                   linear_norm, lossless, rotary, sampling, slots, topk, visit)
+                                   linear_norm, lossless, plan, rotary, sampling, slots, topk, visit)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -122,6 +122,8 @@ def _cases(dtype: torch.dtype):
     yield "non-finite flag, hidden states", lambda hs=h.view(2, 2, 16, C): flags.launch(hs, used.view(2, 2, 16)[:, :1],
                                                                                        flag)
     yield "burst status", lambda: flags.status_launch(torch.rand(8, 1024, generator=g) < 0.5, flag)
+    yield "autoregressive plan step", lambda: plan.launch(torch.randint(0, 1024, (4, 8, 1024), generator=g),
+                                                          torch.zeros((), dtype=torch.long))
     known = torch.rand(2, 1024, generator=g) < 0.5
     drafts = (known.to(torch.int8).argsort(dim=1, stable=True)[:, :512], torch.randint(0, V, (2, 512), generator=g),
               torch.rand(2, 512, generator=g), torch.randint(0, V, (2, 1024), generator=g), known,

@@ -8,7 +8,7 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``sampling``, ``layer_norm``, ``linear_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
-``visit``, ``along``, ``lossless``, ``flags``; the module names differ from the
+``visit``, ``along``, ``lossless``, ``flags``, ``plan``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
 so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
@@ -21,7 +21,8 @@ layer's RoPE; the slots a burst drafts; its visiting orders; the drafts read
 along the orders; the cache and canvas writes of a commit), as do
 ``residual_pick`` and ``residual_splice`` (the lossless rule's bookkeeping);
 ``flag_nonfinite`` and ``burst_status`` fuse a step's checks (a non-finite
-output; the burst status). The functions below pick one per call:
+output; the burst status), and ``plan_step`` an autoregressive token's read of
+its plan. The functions below pick one per call:
 
 * ``backend="triton"`` or ``"reference"`` (keyword) is used as is; pass it in
   compiled code, where the environment and context reads below are not
@@ -122,6 +123,7 @@ class _Triton(NamedTuple):
     layer_norm: ModuleType
     linear_norm: ModuleType
     lossless: ModuleType
+    plan: ModuleType
     rotary: ModuleType
     sampling: ModuleType
     slots: ModuleType
@@ -132,11 +134,11 @@ def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import (accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless, rotary,
-                       sampling, slots, visit)
+        from . import (accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless,
+                       plan, rotary, sampling, slots, visit)
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless, rotary,
+    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless, plan, rotary,
                    sampling, slots, visit)
 
 
@@ -342,6 +344,14 @@ def burst_status(known, flag, *, backend: Optional[str] = None) -> torch.Tensor:
     return reference.burst_status(known, flag)
 
 
+def plan_step(steps, step, *, backend: Optional[str] = None) -> torch.Tensor:
+    """The (W, B) column ``step`` of an autoregressive plan's (W, B, T) ``steps``, then ``step += 1`` in place
+    (a () int64); see the reference."""
+    if _resolve(backend, steps) == "triton":
+        return _triton().plan.plan_step(steps, step)
+    return reference.plan_step(steps, step)
+
+
 __all__ = [
     "Acceptance",
     "BACKENDS",
@@ -358,6 +368,7 @@ __all__ = [
     "gather_drafts",
     "linear_add_norm",
     "mlp_add_norm",
+    "plan_step",
     "residual_pick",
     "residual_sample",
     "residual_splice",

@@ -43,6 +43,7 @@ op                                 inputs -> outputs
 ``sigmafast::flag_nonfinite``      values (..., N), used (broadcast to ...) or None, flag () -> None;
                                    sets flag when a used row is not finite
 ``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
+``sigmafast::plan_step``           steps (W, B, T), step () -> (W, B) column step; advances step
 =================================  ==========================================================
 
 Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample``, ``decide``, ``linear_add_norm``,
@@ -78,6 +79,7 @@ from .decide import launch as decide_launch
 from .embed import launch as feed_embedding_launch
 from .flags import launch as flag_nonfinite_launch
 from .flags import status_launch as burst_status_launch
+from .plan import launch as plan_step_launch
 from .layer_norm import launch as add_layer_norm_launch
 from .linear_norm import linear_launch as linear_add_norm_launch
 from .linear_norm import mlp_launch as mlp_add_norm_launch
@@ -323,6 +325,17 @@ def _(known, flag):
     return known.new_empty(3, dtype=torch.int64)
 
 
+@torch.library.custom_op("sigmafast::plan_step", mutates_args=("step",))
+def _plan_step(steps: Tensor, step: Tensor) -> Tensor:
+    return plan_step_launch(steps, step)
+
+
+@_plan_step.register_fake
+def _(steps, step):
+    return steps.new_empty(steps.shape[:2])
+
+
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
        "decide", "add_layer_norm", "linear_add_norm", "mlp_add_norm", "feed_embedding", "rotary_", "draft_slots",
-       "gather_drafts", "residual_pick", "residual_splice", "commit", "flag_nonfinite", "burst_status")
+       "gather_drafts", "residual_pick", "residual_splice", "commit", "flag_nonfinite", "burst_status",
+       "plan_step")

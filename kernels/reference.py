@@ -288,6 +288,14 @@ def burst_status(known, flag) -> torch.Tensor:
     return torch.stack([top, (left > 0).sum(), flag.long()])
 
 
+def plan_step(steps, step) -> torch.Tensor:
+    """The (W, B) column ``step`` (a () int64) of the (W, B, T) ``steps``; then ``step += 1``, in place."""
+    W, B, _ = steps.shape
+    now = steps.gather(2, step.expand(W, B, 1)).squeeze(2)
+    step.add_(1)
+    return now
+
+
 def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + y`` and ``F.layer_norm(s, (C,), weight, bias, eps)``, both (..., C) like x."""
     s = x + y

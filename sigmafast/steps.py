@@ -62,7 +62,8 @@ class Along(NamedTuple):
 class ARPlan(NamedTuple):
     """The static inputs of autoregressive sampling (built by :func:`ar_plan`).
 
-    ``steps`` packs what step s reads into one int64 column, so that a step reads it with one gather: the
+    ``steps`` packs what step s reads into one int64 column, so that a step reads it (and advances ``step``)
+    with one op, ``kernels.plan_step``: the
     position it samples (a row's last one again once the row is complete), 1 if it samples a token (s <
     the row's unknown count) else 0, the float64 uniform of that position (its bits, :data:`AR_U`), and 0
     (the index of the only order)."""
@@ -214,15 +215,13 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
 
 def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:
     """Sample the next position of every row in its visiting order, in place; advances ``plan.step``."""
-    W, B, _ = plan.steps.shape
-    now = plan.steps.gather(2, plan.step.expand(W, B, 1)).squeeze(2)  # (4, B): this step of every row
+    now = kernels.plan_step(plan.steps, plan.step, backend=_flags_backend(session))  # (4, B): this step of each row
     j, n, first = now[AR_POS], now[AR_LIVE], now[AR_ORDER]  # (B,) each, contiguous: position, 0/1, the only order
     verified = session.verify(j[:, None, None], None)  # feeds the last token only
     logits = verifier_logits(session, verified)  # (B, V) the only step: a view, no gather
     u = now[AR_U].view(torch.float64)
     tok, _ = sample_checked(session, logits, u, bool_view(n), plan.nonfinite, temperature, top_k)
     session.commit(verified, first, n, tok[:, None])
-    plan.step.add_(1)
 
 
 def bool_view(flags: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,7 @@ def test_kernels_are_custom_ops():
                                  torch.tensor([[[True, False, False, True]]]).expand(2, 1, 4),
                                  torch.zeros((), dtype=torch.bool)),),
         "burst_status": tuple(_dev(torch.rand(3, 11, generator=g) < 0.5, torch.ones((), dtype=torch.bool))),
+        "plan_step": tuple(_dev(torch.randint(0, 9, (4, 2, 5), generator=g), torch.tensor(3))),
         "gather_drafts": tuple(_dev(torch.tensor([[1, 3, 0], [2, 0, 1]]), torch.randint(9, (2, 3), generator=g),
                                     torch.rand(2, 3, generator=g), torch.randint(9, (2, 4), generator=g),
                                     torch.tensor([[True, False, True, False], [False, False, False, True]]),
