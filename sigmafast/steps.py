@@ -62,11 +62,10 @@ class Along(NamedTuple):
 class ARPlan(NamedTuple):
     """The static inputs of autoregressive sampling (built by :func:`ar_plan`).
 
-    ``steps`` packs what step s reads into one int64 column, so that a step reads it (and advances ``step``)
-    with one op, ``kernels.plan_step``: the
-    position it samples (a row's last one again once the row is complete), 1 if it samples a token (s <
-    the row's unknown count) else 0, the float64 uniform of that position (its bits, :data:`AR_U`), and 0
-    (the index of the only order)."""
+    ``steps`` packs what step s reads into one int64 column, so that a step reads it and advances ``step``
+    with one op (``kernels.plan_step``): the position it samples (a row's last one again once the row is
+    complete), 1 if it samples a token (s < the row's unknown count) else 0, the float64 uniform of that
+    position (its bits, :data:`AR_U`), and 0 (the index of the only order)."""
 
     steps: torch.Tensor  # (4, B, T) int64, per step s: position, live, uniform bits, 0
     step: torch.Tensor  # () int64 step counter, advanced in place by :func:`ar_step`
