@@ -133,8 +133,9 @@ class Engine(EagerRunner):
     status before the next launch. ``fused_ends`` (the default) ends each
     sublayer of a model at most 256 wide in one Triton kernel (its output
     projection or MLP, the residual add, the next LayerNorm and QKV projection;
-    ``kernels.linear_add_norm``, ``kernels.mlp_add_norm``); False keeps those
-    matmuls cuBLAS's, to time the two. Pass the engine to
+    ``kernels.linear_add_norm``, ``kernels.mlp_add_norm``) and has the embedding
+    kernel compute the first block's QKV projection; False keeps those matmuls
+    cuBLAS's, to time the two. Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """

@@ -165,14 +165,26 @@ def on_triton_device(fn):
     return call
 
 
+def record_block_linears(model) -> tuple[list, list]:
+    """The names of the blocks' ``nn.Linear`` modules, and a list to which a module's name is appended each
+    time it runs (a forward hook on each)."""
+    names, ran = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and "h." in name:
+            m.register_forward_hook(lambda mod, args, out, name=name: ran.append(name))
+            names.append(name)
+    return names, ran
+
+
 def assert_log_ratio(call, logq: torch.Tensor, seed: int) -> None:
-    """``call(draft_logp, log_ratio)``, a log q launcher given the drafts' (N,) float32 log p and a NaN-filled
-    (N,) output, returns ``logq`` again and writes ``logq - draft_logp`` bit for bit: +inf where only the log p
-    is -inf (a third of the rows), NaN where both are."""
+    """``call(draft_logp, log_ratio)``, a log q launcher given the drafts' (N,) float32 log p and an (N,) output
+    filled with 1e30 (no result: log q <= 0 and log p >= -5), returns ``logq`` again and writes
+    ``logq - draft_logp`` bit for bit: +inf where only the log p is -inf (a third of the rows), NaN where both
+    are."""
     N = logq.shape[0]
     logp = -5 * torch.rand(N, generator=torch.Generator().manual_seed(seed))
     logp[: N // 3] = float("-inf")
-    ratio = torch.full((N,), float("nan"), device=triton_device())
+    ratio = torch.full((N,), 1e30, device=triton_device())
     with warnings.catch_warnings():  # the interpreter's numpy warns at -inf - (-inf): the NaN expected here
         warnings.filterwarnings("ignore", "invalid value encountered in subtract", RuntimeWarning)
         got = call(logp.to(triton_device()), ratio)

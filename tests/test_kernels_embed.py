@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device, tiny_model, triton_device
+from helpers import on_triton_device, record_block_linears, tiny_model, triton_device
 from sigmafast.engine import NeuralSession
 from sigmafast.kernels import embed
 from sigmafast.kernels import reference as ref
@@ -195,10 +195,7 @@ def test_fused_feed_takes_the_first_blocks_projection(fused_ends):
     the one buffer of every layer's projections, whose keys and values commit reads); without the fused ends
     the first c_attn runs as a module."""
     model = tiny_model(vocab_size=7, block_size=12, seed=2, std=0.5, dtype=torch.float32).to(DEVICE)
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "h." in name}
-    ran = []
-    for name, m in linears.items():
-        m.register_forward_hook(lambda mod, args, out, name=name: ran.append(name))
+    _, ran = record_block_linears(model)
     idx = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     with torch.no_grad():
         session = NeuralSession(model, 2, 12, "triton", fused_ends=fused_ends)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sigmafast
-from helpers import count_variants, on_triton_device, tiny_model, triton_device
+from helpers import count_variants, on_triton_device, record_block_linears, tiny_model, triton_device
 from sigmafast import SigmaGPT, SigmaGPTConfig, kernels
 from sigmafast.engine import FusedEnds
 from sigmafast.kernels import linear_norm
@@ -237,10 +237,7 @@ def test_fused_ends_take_the_later_blocks_matmuls(mlp_ratio):
     forward runs after the first c_attn (the plain ends run them all)."""
     config = SigmaGPTConfig(vocab_size=7, block_size=8, n_layer=3, n_head=2, n_embd=32, mlp_ratio=mlp_ratio)
     model = SigmaGPT(config).eval().to(DEVICE)
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "h." in name}
-    ran = []
-    for name, m in linears.items():
-        m.register_forward_hook(lambda mod, args, out, name=name: ran.append(name))
+    linears, ran = record_block_linears(model)
     x = torch.randn(2, 5, 32, device=DEVICE)
     with torch.no_grad():
         model.run_layers(x, attend)
