@@ -166,6 +166,25 @@ def test_burst_attention(benchmark, impl, L, copy_gbps):
          rel_err=err)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4, 6, 8, 16], ids=lambda s: f"splits{s}")
+def test_burst_attention_splits(benchmark, splits, copy_gbps):
+    """The burst case at L = 4096 (short of its 60% target) with fixed KV split counts, beside the automatic
+    choice of ``test_burst_attention``: which count the card prefers."""
+    from sigmafast.kernels.attention import cascade_attention
+
+    B, R, L = 8, 16, 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, R, D, device="cuda", generator=g, dtype=DTYPE) for _ in range(3))
+    kc, vc = (torch.randn(B, H, L, D, device="cuda", generator=g, dtype=DTYPE) for _ in range(2))
+    lens = torch.full((B,), L, device="cuda")
+    args = (q, k, v, kc, vc, lens)
+    err = _rel_err(cascade_attention(*args, num_splits=splits), ref.burst_attention(*(t.float() for t in args)))
+    assert err < 3e-2, f"{splits} splits are wrong before timing: rel. error {err:.2e}"
+    nbytes = (2 * B * H * L * D + 4 * B * H * R * D) * q.element_size()
+    _run(benchmark, lambda: cascade_attention(*args, num_splits=splits), nbytes, copy_gbps, impl="triton",
+         op="burst_attention_splits", B=B, H=H, R=R, L=L, D=D, splits=splits, rel_err=err)
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference", "sdpa"])
 @pytest.mark.parametrize("R", [16, 64], ids=lambda R: f"R{R}")
 def test_verify_attention(benchmark, impl, R, copy_gbps):

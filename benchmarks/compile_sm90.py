@@ -75,7 +75,7 @@ def _resources(kernel) -> dict:
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
     from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm,
-                                   linear_norm, lossless, plan, rotary, sampling, slots, topk, visit)
+                                   linear_norm, lossless, plan, rotary, sampling, slots, topk)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -121,7 +121,6 @@ def _cases(dtype: torch.dtype):
     yield "non-finite flag, logits", lambda: flags.launch(x, used, flag)
     yield "non-finite flag, hidden states", lambda hs=h.view(2, 2, 16, C): flags.launch(hs, used.view(2, 2, 16)[:, :1],
                                                                                        flag)
-    yield "burst status", lambda: flags.status_launch(torch.rand(8, 1024, generator=g) < 0.5, flag)
     yield "autoregressive plan step", lambda: plan.launch(torch.randint(0, 1024, (4, 8, 1024), generator=g),
                                                           torch.zeros((), dtype=torch.long))
     known = torch.rand(2, 1024, generator=g) < 0.5
@@ -130,8 +129,8 @@ def _cases(dtype: torch.dtype):
               torch.rand(2, 1024, generator=g, dtype=torch.float64),
               torch.rand(2, 5, 1024, generator=g).argsort(-1)[..., :512])
     yield "drafts along the orders", lambda: along.launch(*drafts)
-    yield "draft slots", lambda: slots.launch(known, drafts[5], 512)
-    yield "visiting orders", lambda: visit.launch(torch.rand(2, 5, 1024, generator=g, dtype=torch.float64), known, 512)
+    yield "draft slots and visiting orders", lambda: slots.launch(
+        known, drafts[5], torch.rand(2, 5, 1024, generator=g, dtype=torch.float64), 512)
     n_acc, rem = torch.randint(0, 257, (8,), generator=g), torch.randint(0, 300, (8,), generator=g)
     ords = torch.rand(8, 1, 1024, generator=g).argsort(-1)[..., :256][:, 0]
     yield "lossless residual pick", lambda: lossless.pick_launch(
@@ -176,7 +175,8 @@ def _cases(dtype: torch.dtype):
 
 
 def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None:
-    """One commit of a verification over 5 orders (keys as views of the shared QKV projection buffer)."""
+    """One commit of a verification over 5 orders (keys as views of the shared QKV projection buffer), with the
+    burst status."""
     nl, B, O, H, R, T = 12, 2, 5, 12, 16, 1024
     qkv = torch.randn(nl, B, O, R, 3 * H * D, generator=g).to(dtype)
     kv = qkv[..., H * D:].unflatten(-1, (2, H, D)).permute(4, 0, 1, 2, 5, 3, 6)
@@ -185,7 +185,7 @@ def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None
                        torch.tensor([3, 16]), torch.zeros(B, R, dtype=torch.long), kv[0], kv[1],
                        torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool),
                        torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long), cache, cache.clone(),
-                       torch.tensor([5, 700]))
+                       torch.tensor([5, 700]), torch.zeros((), dtype=torch.bool), torch.zeros(3, dtype=torch.long))
 
 
 def compile_all(dtype_names) -> tuple[list, list]:

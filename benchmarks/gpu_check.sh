@@ -39,7 +39,7 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile train}; do
     fused) run fused "${GPU_FUSED_LIMIT:-120}" python -m pytest tests/test_kernels_commit.py \
         tests/test_kernels_layer_norm.py tests/test_kernels_linear_norm.py tests/test_kernels_decide.py \
         tests/test_kernels_embed.py tests/test_kernels_flags.py tests/test_kernels_along.py tests/test_kernels_slots.py \
-        tests/test_kernels_visit.py tests/test_kernels_rotary.py tests/test_kernels_lossless.py \
+        tests/test_kernels_rotary.py tests/test_kernels_lossless.py \
         tests/test_kernels_row_vectors.py tests/test_kernels_topk.py tests/test_kernels_plan.py \
         -q -p no:cacheprovider -rs ;;
     vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \

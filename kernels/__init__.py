@@ -8,20 +8,20 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``sampling``, ``layer_norm``, ``linear_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
-``visit``, ``along``, ``lossless``, ``flags``, ``plan``; the module names differ from the
+``along``, ``lossless``, ``flags``, ``plan``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
 so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
 ``add_layer_norm``, ``linear_add_norm``, ``mlp_add_norm``, ``feed_embedding``,
-``rotary_``, ``draft_slots``, ``visit_orders``, ``gather_drafts`` and ``commit``
+``rotary_``, ``draft_slots``, ``gather_drafts`` and ``commit``
 fuse a step's small ops (a residual add and its LayerNorm; a narrow model's
 output projection or MLP with them; the input embedding and the first LayerNorm; a
-layer's RoPE; the slots a burst drafts; its visiting orders; the drafts read
+layer's RoPE; the slots a burst drafts and its visiting orders; the drafts read
 along the orders; the cache and canvas writes of a commit), as do
 ``residual_pick`` and ``residual_splice`` (the lossless rule's bookkeeping);
-``flag_nonfinite`` and ``burst_status`` fuse a step's checks (a non-finite
-output; the burst status), and ``plan_step`` an autoregressive token's read of
+``flag_nonfinite`` fuses a step's check of a non-finite output (and ``commit``
+writes a burst's status), and ``plan_step`` an autoregressive token's read of
 its plan. The functions below pick one per call:
 
 * ``backend="triton"`` or ``"reference"`` (keyword) is used as is; pass it in
@@ -127,7 +127,6 @@ class _Triton(NamedTuple):
     rotary: ModuleType
     sampling: ModuleType
     slots: ModuleType
-    visit: ModuleType
 
 
 def _triton() -> _Triton:
@@ -135,11 +134,11 @@ def _triton() -> _Triton:
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
         from . import (accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless,
-                       plan, rotary, sampling, slots, visit)
+                       plan, rotary, sampling, slots)
     except ImportError as e:
         raise _no_triton(e) from e
     return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless, plan, rotary,
-                   sampling, slots, visit)
+                   sampling, slots)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -277,21 +276,14 @@ def residual_splice(tokens, n, r_tok, rejected, *, backend: Optional[str] = None
     return reference.residual_splice(tokens, n, r_tok, rejected)
 
 
-def draft_slots(known, uniforms, R: int, *, backend: Optional[str] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A burst iteration's R draft slots of a (B, T) known mask: positions, the (B, T) uniforms at them, the
-    used mask (B, R) and the unknown counts (B,); see the reference."""
-    if _resolve(backend, uniforms) == "triton":
-        return _triton().slots.draft_slots(known, uniforms, R)
-    return reference.draft_slots(known, uniforms, R)
-
-
-def visit_orders(keys, known, R: int, *, backend: Optional[str] = None) -> torch.Tensor:
-    """A burst iteration's (B, O, R) visiting orders of (B, O, T) keys and a (B, T) known mask; see the
+def draft_slots(known, uniforms, keys, R: int, *, backend: Optional[str] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A burst iteration's R draft slots of a (B, T) known mask (positions, the (B, T) uniforms at them, the
+    used mask (B, R), the unknown counts (B,)) and its (B, O, R) visiting orders of (B, O, T) keys; see the
     reference."""
-    if _resolve(backend, keys) == "triton":
-        return _triton().visit.visit_orders(keys, known, R)
-    return reference.visit_orders(keys, known, R)
+    if _resolve(backend, uniforms) == "triton":
+        return _triton().slots.draft_slots(known, uniforms, keys, R)
+    return reference.draft_slots(known, uniforms, keys, R)
 
 
 def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders, *, backend: Optional[str] = None
@@ -318,11 +310,12 @@ def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weigh
 
 
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
-           backend: Optional[str] = None) -> None:
+           flag=None, status=None, backend: Optional[str] = None) -> None:
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's canvas and KV cache, in place;
-    see the reference."""
+    with a (3,) int64 ``status`` and the () bool ``flag``, also write the burst status after it there. See
+    the reference."""
     state = dict(canvas=canvas, known=known, last_tok=last_tok, last_pos=last_pos, k_cache=k_cache,
-                 v_cache=v_cache, lens=lens)
+                 v_cache=v_cache, lens=lens, flag=flag, status=status)
     if _resolve(backend, k_cache) == "triton":
         return _triton().commit_step.commit(orders, choice, n, tokens, keys, values, **state)
     return reference.commit(orders, choice, n, tokens, keys, values, **state)
@@ -334,14 +327,6 @@ def flag_nonfinite(values, used, flag, *, backend: Optional[str] = None) -> None
     if _resolve(backend, values) == "triton":
         return _triton().flags.flag_nonfinite(values, used, flag)
     return reference.flag_nonfinite(values, used, flag)
-
-
-def burst_status(known, flag, *, backend: Optional[str] = None) -> torch.Tensor:
-    """(3,) int64 [max unknown count of a row, rows with one, flag] of a (B, T) known mask; see the
-    reference."""
-    if _resolve(backend, known) == "triton":
-        return _triton().flags.burst_status(known, flag)
-    return reference.burst_status(known, flag)
 
 
 def plan_step(steps, step, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -360,7 +345,6 @@ __all__ = [
     "add_layer_norm",
     "backend_for",
     "burst_attention",
-    "burst_status",
     "commit",
     "draft_slots",
     "feed_embedding",
@@ -376,5 +360,4 @@ __all__ = [
     "sample",
     "use_backend",
     "verify_attention",
-    "visit_orders",
 ]

@@ -18,6 +18,14 @@ its 120 layer kernels (benchmarks/RESULTS.md). Here:
   position to step ``n[b] - 1`` (unchanged when ``n[b] == 0``) and advances
   ``lens``. It runs second: the first kernel reads the old ``lens``.
 
+A burst iteration also asks for its status (``status``: the largest unknown
+count of a row, the rows with one, the non-finite flag), which the sampling
+loop reads; a separate kernel would be one launch more per iteration. The first
+program of the KV copy zeroes the two counts; then each state program, after
+its own writes to the known mask (a thread barrier makes them visible), counts
+its row's unknown positions and folds them in with an atomic max and an atomic
+add (integers: the order of the programs does not matter), and stores the flag.
+
 Unlike the reference, the kernels write nothing for the steps past ``n[b]``
 (the reference sends them to the cache's scratch slot, which nobody reads).
 Compiles once per dtype and head dim: sizes and strides are in
@@ -31,25 +39,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_int
+from . import reference
+from .checks import check_flag, check_int
 from .utils import in_units, strides
 
 BLOCK_R = 16  # accepted rows per loop step of the KV copy
 STATE_BLOCK = 64  # steps per loop step of the canvas writes
+STATUS_BLOCK = 1024  # positions per pass of a row's unknown count
 
 _KV_STRIDES = [f"s_{t}{d}" for t in "kv" for d in "lboh"] + ["s_kr", "s_vr"] + [f"s_c{d}" for d in "lbhs"]
 
 
-@triton.jit(do_not_specialize=_KV_STRIDES + ["H", "R", "max_len"],
-            do_not_specialize_on_alignment=["CHOICE", "N", "LENS"])
+@triton.jit(do_not_specialize=_KV_STRIDES + ["H", "R", "max_len", "n_zero"],
+            do_not_specialize_on_alignment=["CHOICE", "N", "LENS", "STATUS"])
 def _commit_kv_kernel(
-    K, V, KC, VC, CHOICE, N, LENS,
+    K, V, KC, VC, CHOICE, N, LENS, STATUS,
     s_kl, s_kb, s_ko, s_kh, s_vl, s_vb, s_vo, s_vh, s_kr, s_vr, s_cl, s_cb, s_ch, s_cs,
-    H, R, max_len,
+    H, R, max_len, n_zero,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     i_l = tl.program_id(1).to(tl.int64)
+    o_z = tl.arange(0, 2)  # the status counts, zeroed by the first program (n_zero: 2 with a status, else 0)
+    tl.store(STATUS + o_z, tl.zeros([2], tl.int64), mask=o_z < tl.where((pid_bh == 0) & (i_l == 0), n_zero, 0))
     i_b = (pid_bh // H).to(tl.int64)
     i_h = (pid_bh % H).to(tl.int64)
     i_o = tl.load(CHOICE + i_b).to(tl.int64)
@@ -78,12 +90,13 @@ def _commit_kv_kernel(
         tl.store(VC + o_c, b_v.to(VC.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_to", "s_cb", "s_mb", "R"],
-            do_not_specialize_on_alignment=["ORDERS", "CHOICE", "N", "TOKENS", "LAST_TOK", "LAST_POS", "LENS"])
+@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_to", "s_cb", "s_mb", "R", "T", "has_status"],
+            do_not_specialize_on_alignment=["ORDERS", "CHOICE", "N", "TOKENS", "LAST_TOK", "LAST_POS", "LENS",
+                                            "FLAG", "STATUS"])
 def _commit_state_kernel(
-    ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS,
-    s_ob, s_oo, s_tb, s_to, s_cb, s_mb, R,
-    BLOCK: tl.constexpr,
+    ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS, FLAG, STATUS,
+    s_ob, s_oo, s_tb, s_to, s_cb, s_mb, R, T, has_status,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_o = tl.load(CHOICE + i_b).to(tl.int64)
@@ -103,38 +116,55 @@ def _commit_state_kernel(
     tl.store(LAST_TOK + i_b, tl.load(p_t + last), mask=moved)
     tl.store(LENS + i_b, tl.load(LENS + i_b) + n)
 
+    tl.debug_barrier()  # this program's known writes are visible to all its threads
+    left = tl.full((), 0, tl.int32)
+    for t0 in range(0, T * has_status, BLOCK_T):  # no pass without a status
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        left += tl.sum((tl.load(KNOWN + i_b * s_mb + o_t, mask=o_t < T, other=1) == 0).to(tl.int32), 0)
+    m_s = has_status != 0
+    tl.atomic_max(STATUS, left.to(tl.int64), mask=m_s)
+    tl.atomic_add(STATUS + 1, (left > 0).to(tl.int64), mask=m_s)
+    tl.store(STATUS + 2, (tl.load(FLAG, mask=m_s, other=0) != 0).to(tl.int64), mask=m_s)
+
 
 def _kv_unit(*stride_values: int) -> int:
     return 16 if all(s % 16 == 0 for s in stride_values) else 1
 
 
-def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens):
+def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
+           flag=None, status=None):
     """Launch both kernels (no input checks; see :func:`commit`)."""
     B, O, R = orders.shape
     n_layer, _, H, L1, D = k_cache.shape
     keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, values))
     choice, n = (t if t.is_contiguous() else t.contiguous() for t in (choice, n))  # read at row b
+    fused = status is not None and n_layer * B * H * R > 0  # else (no rows) the reference's status
+    status_ptr = status if fused else lens  # never written without a status (masked)
     if n_layer * B * H * R > 0:
         sk, sv, sc = strides(keys), strides(values), strides(k_cache)
         kv_strides = (*sk[:4], *sv[:4], sk[4], sv[4], *sc[:4])
         unit = _kv_unit(*kv_strides)
         _commit_kv_kernel[(B * H, n_layer)](
-            keys, values, k_cache, v_cache, choice, n, lens, *in_units(unit, *kv_strides), H, R, L1 - 1,
-            D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=BLOCK_R, STRIDE_UNIT=unit, num_warps=1,
+            keys, values, k_cache, v_cache, choice, n, lens, status_ptr, *in_units(unit, *kv_strides), H, R, L1 - 1,
+            2 if fused else 0, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=BLOCK_R, STRIDE_UNIT=unit, num_warps=1,
         )
     orders = orders if orders.stride(-1) == 1 else orders.contiguous()
     tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()
     tokens = tokens[:, None].expand(B, O, R) if tokens.ndim == 2 else tokens  # (B, O, R), stride 0 or not
+    mask = known.view(torch.uint8)
     if B * R > 0:
-        mask = known.view(torch.uint8)
         _commit_state_kernel[(B,)](
             orders, choice, n, tokens, canvas, mask, last_tok, last_pos, lens,
-            *strides(orders)[:2], *strides(tokens)[:2], strides(canvas)[0], strides(mask)[0], R,
-            BLOCK=STATE_BLOCK, num_warps=1,
+            flag.view(torch.uint8) if fused else mask, status_ptr,
+            *strides(orders)[:2], *strides(tokens)[:2], strides(canvas)[0], strides(mask)[0], R, known.shape[1],
+            int(fused), BLOCK=STATE_BLOCK, BLOCK_T=STATUS_BLOCK, num_warps=1,
         )
+    if status is not None and not fused:
+        status.copy_(reference.burst_status(known, flag))
 
 
-def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens):
+def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
+           flag=None, status=None):
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
 
     orders: (B, O, R) int64 positions; choice, n: (B,) int64 (0 <= n <= R); tokens: (B, R) int64, the
@@ -142,7 +172,9 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     values: (n_layer, B, O, H, R, D); canvas: (B, T) int64;
     known: (B, T) bool; last_tok, last_pos, lens: (B,) int64; k_cache, v_cache: (n_layer, B, H, L + 1, D),
     valid up to ``lens``, with a scratch slot L. Every size and stride is checked; the values are not
-    (no host read): ``lens[b] + n[b] <= L`` is the caller's contract.
+    (no host read): ``lens[b] + n[b] <= L`` is the caller's contract. With a (3,) int64 ``status`` (and the
+    () bool ``flag``) it also writes the burst status after the commit into ``status``, as
+    ``reference.burst_status(known, flag)``: the largest unknown count of a row, the rows with one, the flag.
     """
     if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
         raise ValueError(f"orders must be a (B, O, R) tensor, got {getattr(orders, 'shape', type(orders))}")
@@ -181,10 +213,17 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point() \
                 or t.device != device:
             raise ValueError(f"{name} must be a float tensor of shape {want} on {device}, got {_describe(t)}")
+    if (flag is None) != (status is None):
+        raise ValueError("flag and status must be given together (the burst status reads the flag)")
+    if status is not None:
+        check_flag(flag, device)
+        if not isinstance(status, torch.Tensor) or status.shape != (3,) or status.dtype != torch.int64 \
+                or status.device != device or not status.is_contiguous():
+            raise ValueError(f"status must be a contiguous (3,) int64 tensor on {device}, got {_describe(status)}")
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     torch.ops.sigmafast.commit(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos,
-                               k_cache, v_cache, lens)
+                               k_cache, v_cache, lens, flag, status)
 
 
 def _describe(t) -> str:

@@ -1,12 +1,12 @@
-"""Triton step flags: the non-finite check of a step's outputs and the burst status, one kernel each.
+"""Triton step flag: the non-finite check of a step's outputs in one kernel.
 
 A burst iteration checks that its draft logits and verifier outputs are usable
 (``reference.nonfinite``: a row max, a subtraction, a comparison, the used mask,
-an ``any``; then an ``or`` of the two checks) and ends with its status (the
-unknown counts, their max, the rows left, the flag: six more ops). An
-autoregressive step checks its logits the same way. Each op is a kernel launch
-in a replayed CUDA graph, where launches, not bytes, set a small model's step
-time; here each group is one kernel. The engine's steps fold the checks further:
+an ``any``; then an ``or`` of the two checks). An autoregressive step checks
+its logits the same way. Each op is a kernel launch in a replayed CUDA graph,
+where launches, not bytes, set a small model's step time; here the group is one
+kernel (and the burst status that reads the flag is written by the commit,
+:mod:`.commit_step`). The engine's steps fold the checks further:
 the logits they sample are checked by the sampling kernel itself
 (``sampling.sample(..., used=, flag=)``: from each row's total, with no second
 read), and the verifier's rows by the decisions' kernel (a NaN ratio q/p,
@@ -22,14 +22,11 @@ broadcast mask (0 strides) are read in place. A program that finds a bad row
 stores True into the flag (racing programs store the same value); nothing
 clears it, and nothing is read on the host.
 
-``_burst_status_kernel``, grid (1,): one program streams the (B, T) known mask
-in (BLOCK_B, BLOCK_T) tiles and writes [max unknown count, rows with one, flag].
-
 Compiles once per values dtype and width class: the tiles depend on the width
 N only (BLOCK_N = the next power of two in [128, 4096]), and ``STRIDE_UNIT`` is
 16 when N and the row strides are multiples of 16 (as in :mod:`.utils`), so
 that the loads stay vectorised; every size and stride is in
-``do_not_specialize``. The status kernel has fixed tiles: one variant.
+``do_not_specialize``.
 """
 
 from __future__ import annotations
@@ -42,9 +39,6 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES, check_flag
-
-BLOCK_B = 8
-BLOCK_T = 512
 
 _SIZES = ["M", "D1", "D2", "N", "s_x0", "s_x1", "s_x2", "s_u0", "s_u1", "s_u2"]
 
@@ -75,28 +69,6 @@ def _flag_nonfinite_kernel(
     b_bad = m_m & ((b_max == float("inf")) | (b_max == float("-inf")))
     hit = tl.max(b_bad.to(tl.int32), 0)
     tl.store(FLAG, hit.to(tl.uint8), mask=hit > 0)
-
-
-@triton.jit(do_not_specialize=["B", "T", "s_b"], do_not_specialize_on_alignment=["KNOWN", "FLAG", "OUT"])
-def _burst_status_kernel(KNOWN, FLAG, OUT, B, T, s_b, TILE_B: tl.constexpr, TILE_T: tl.constexpr):
-    o_b0 = tl.arange(0, TILE_B)
-    o_t0 = tl.arange(0, TILE_T)
-    top = tl.full((), 0, tl.int32)
-    live = tl.full((), 0, tl.int32)
-    for b0 in range(0, B, TILE_B):
-        o_b = (b0 + o_b0).to(tl.int64)
-        m_b = o_b < B
-        b_left = tl.zeros((TILE_B,), tl.int32)
-        for t0 in range(0, T, TILE_T):
-            o_t = (t0 + o_t0).to(tl.int64)
-            m = m_b[:, None] & (o_t < T)[None, :]
-            b_k = tl.load(KNOWN + o_b[:, None] * s_b + o_t[None, :], mask=m, other=1)  # padding is known
-            b_left += tl.sum(1 - b_k.to(tl.int32), 1)  # bools are 0/1 bytes (an i1 sum spills to the stack)
-        top = tl.maximum(top, tl.max(b_left, 0))
-        live += tl.sum((b_left > 0).to(tl.int32), 0)
-    tl.store(OUT, top.to(tl.int64))
-    tl.store(OUT + 1, live.to(tl.int64))
-    tl.store(OUT + 2, (tl.load(FLAG) != 0).to(tl.int64))
 
 
 def config(N: int) -> tuple[int, int, int]:
@@ -147,21 +119,6 @@ def launch(values: torch.Tensor, used: Optional[torch.Tensor], flag: torch.Tenso
     )
 
 
-def status_launch(known: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """Launch the status kernel (no input checks): (3,) int64."""
-    B, T = known.shape
-    if known.stride(1) != 1 and T > 1:
-        known = known.contiguous()
-    out = torch.empty(3, dtype=torch.int64, device=known.device)
-    if known.numel() == 0:  # no unknown position: no rows to read (an empty tensor may have no address)
-        known, B = flag.view(1, 1), 0
-    _burst_status_kernel[(1,)](
-        known.view(torch.uint8), flag.view(torch.uint8), out, B, T, known.stride(0) if B > 1 else 0,
-        TILE_B=BLOCK_B, TILE_T=BLOCK_T, num_warps=4,
-    )
-    return out
-
-
 def flag_nonfinite(values: torch.Tensor, used: Optional[torch.Tensor], flag: torch.Tensor) -> None:
     """Set ``flag`` to True, in place, when ``reference.nonfinite(values, used)``; never clear it.
 
@@ -191,20 +148,3 @@ def flag_nonfinite(values: torch.Tensor, used: Optional[torch.Tensor], flag: tor
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     torch.ops.sigmafast.flag_nonfinite(values, used, flag)
-
-
-def burst_status(known: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """A burst iteration's status from the known mask after its commit.
-
-    known: (B, T) bool; flag: () bool. Returns (3,) int64: the largest number of unknown positions of a
-    row (0 with no rows), the number of rows with one, and 1 if ``flag`` else 0.
-    ``sigmafast::burst_status`` op.
-    """
-    if not isinstance(known, torch.Tensor):
-        raise TypeError(f"known must be a (B, T) torch.Tensor, got {type(known).__name__}")
-    if known.dtype != torch.bool or known.ndim != 2:
-        raise ValueError(f"known must be a (B, T) bool tensor, got {known.dtype} {tuple(known.shape)}")
-    check_flag(flag, known.device)
-    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
-
-    return torch.ops.sigmafast.burst_status(known, flag)

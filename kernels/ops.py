@@ -29,27 +29,26 @@ op                                 inputs -> outputs
                                    None -> x, LayerNorm(x) (B, G, S, C); writes the projection of the latter
 ``sigmafast::rotary_``             q, k, v (..., H, T, D) (k, v optional), positions (..., T), cos/sin
                                    tables, sign -> None; rotates q, k, v in place (RoPE)
-``sigmafast::draft_slots``         known (B, T), uniforms (B, T), R -> positions, uniforms, used (B, R),
-                                   remaining (B,)
-``sigmafast::visit_orders``        keys (B, O, T), known (B, T), R -> orders (B, O, R)
+``sigmafast::draft_slots``         known (B, T), uniforms (B, T), keys (B, O, T), R -> positions, uniforms,
+                                   used (B, R), remaining (B,), visiting orders (B, O, R)
 ``sigmafast::residual_pick``       n, remaining (B,), orders, slots (B, R), uniforms (B, T), draft
                                    logits (B, R', V), verifier rows (B, R, X) -> uniform, rejected (B,),
                                    draft row (B, V), verifier row (B, X): the lossless residual draw
 ``sigmafast::residual_splice``     tokens (B, R), n, residual token, rejected (B,) -> tokens, n_commit
 ``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
                                    orders (B, O, S) -> tokens, log-probs, uniforms, slots (B, O, S)
-``sigmafast::commit``              orders, choice, n, tokens, keys, values -> None; writes the
-                                   canvas, known, last token/position, KV caches and lens
+``sigmafast::commit``              orders, choice, n, tokens, keys, values, flag () and status (3,) or
+                                   None -> None; writes the canvas, known, last token/position, KV
+                                   caches and lens, and the burst status after them into status
 ``sigmafast::flag_nonfinite``      values (..., N), used (broadcast to ...) or None, flag () -> None;
                                    sets flag when a used row is not finite
-``sigmafast::burst_status``        known (B, T), flag () -> (3,) int64 status
 ``sigmafast::plan_step``           steps (W, B, T), step () -> (W, B) column step; advances step
 =================================  ==========================================================
 
 Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample``, ``decide``, ``linear_add_norm``,
 ``mlp_add_norm``, ``feed_embedding``, ``draft_logq`` and ``lm_head_logq`` is functional: it returns new
-tensors and mutates none of its inputs. ``commit`` declares the session buffers it writes in place
-(``mutates_args``), ``rotary_`` the tensors it rotates, the next three their flag, the next three the next
+tensors and mutates none of its inputs. ``commit`` declares the session buffers and the status it writes
+in place (``mutates_args``), ``rotary_`` the tensors it rotates, the next three their flag, the next three the next
 projection's output, and the last two their log ratio.
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
@@ -68,7 +67,6 @@ from .accept import draft_logq, lm_head_logq
 from .attention import cascade_attention
 from .along import launch as gather_drafts_launch
 from .slots import launch as draft_slots_launch
-from .visit import launch as visit_orders_launch
 from .lossless import pick_launch as residual_pick_launch
 from .lossless import rows_like
 from .lossless import splice_launch as residual_splice_launch
@@ -78,7 +76,6 @@ from .commit_step import launch as commit_launch
 from .decide import launch as decide_launch
 from .embed import launch as feed_embedding_launch
 from .flags import launch as flag_nonfinite_launch
-from .flags import status_launch as burst_status_launch
 from .plan import launch as plan_step_launch
 from .layer_norm import launch as add_layer_norm_launch
 from .linear_norm import linear_launch as linear_add_norm_launch
@@ -259,25 +256,17 @@ def _(tokens, n, r_tok, rejected):
 
 
 @torch.library.custom_op("sigmafast::draft_slots", mutates_args=())
-def _draft_slots(known: Tensor, uniforms: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return draft_slots_launch(known, uniforms, R)
+def _draft_slots(known: Tensor, uniforms: Tensor, keys: Tensor, R: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return draft_slots_launch(known, uniforms, keys, R)
 
 
 @_draft_slots.register_fake
-def _(known, uniforms, R):
+def _(known, uniforms, keys, R):
     B = known.shape[0]
     return (known.new_empty((B, R), dtype=torch.int64), uniforms.new_empty((B, R)),
-            known.new_empty((B, R)), known.new_empty((B,), dtype=torch.int64))
-
-
-@torch.library.custom_op("sigmafast::visit_orders", mutates_args=())
-def _visit_orders(keys: Tensor, known: Tensor, R: int) -> Tensor:
-    return visit_orders_launch(keys, known, R)
-
-
-@_visit_orders.register_fake
-def _(keys, known, R):
-    return keys.new_empty((*keys.shape[:2], R), dtype=torch.int64)
+            known.new_empty((B, R)), known.new_empty((B,), dtype=torch.int64),
+            keys.new_empty((B, keys.shape[1], R), dtype=torch.int64))
 
 
 @torch.library.custom_op("sigmafast::gather_drafts", mutates_args=())
@@ -294,14 +283,18 @@ def _(positions, tokens, logp, canvas, known, uniforms, orders):
 
 
 @torch.library.custom_op("sigmafast::commit",
-                         mutates_args=("canvas", "known", "last_tok", "last_pos", "k_cache", "v_cache", "lens"))
+                         mutates_args=("canvas", "known", "last_tok", "last_pos", "k_cache", "v_cache", "lens",
+                                       "status"))
 def _commit(orders: Tensor, choice: Tensor, n: Tensor, tokens: Tensor, keys: Tensor, values: Tensor, canvas: Tensor,
-            known: Tensor, last_tok: Tensor, last_pos: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor) -> None:
-    commit_launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens)
+            known: Tensor, last_tok: Tensor, last_pos: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
+            flag: Optional[Tensor], status: Optional[Tensor]) -> None:
+    commit_launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
+                  flag, status)
 
 
 @_commit.register_fake
-def _(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens):
+def _(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens, flag,
+      status):
     return None
 
 
@@ -313,16 +306,6 @@ def _flag_nonfinite(values: Tensor, used: Optional[Tensor], flag: Tensor) -> Non
 @_flag_nonfinite.register_fake
 def _(values, used, flag):
     return None
-
-
-@torch.library.custom_op("sigmafast::burst_status", mutates_args=())
-def _burst_status(known: Tensor, flag: Tensor) -> Tensor:
-    return burst_status_launch(known, flag)
-
-
-@_burst_status.register_fake
-def _(known, flag):
-    return known.new_empty(3, dtype=torch.int64)
 
 
 @torch.library.custom_op("sigmafast::plan_step", mutates_args=("step",))
@@ -337,5 +320,5 @@ def _(steps, step):
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
        "decide", "add_layer_norm", "linear_add_norm", "mlp_add_norm", "feed_embedding", "rotary_", "draft_slots",
-       "gather_drafts", "residual_pick", "residual_splice", "commit", "flag_nonfinite", "burst_status",
+       "gather_drafts", "residual_pick", "residual_splice", "commit", "flag_nonfinite",
        "plan_step")

@@ -223,14 +223,15 @@ def append_kv(k_cache, v_cache, lens, k_new, v_new, n) -> None:
 
 
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache,
-           lens) -> None:
+           lens, flag=None, status=None) -> None:
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
 
     orders: (B, O, R) positions; choice, n: (B,) (0 <= n <= R); tokens: (B, R), the chosen order's
     tokens by step, or (B, O, R), every order's; keys, values: (n_layer, B, O, H, R, D) the
     verification's inputs. Writes the tokens into canvas (B, T) and known, the keys and values after
     ``lens`` into the caches (n_layer, B, H, L + 1, D), advances ``lens`` and sets last_tok, last_pos (B,)
-    to step ``n[b] - 1`` where n[b] > 0.
+    to step ``n[b] - 1`` where n[b] > 0. With a (3,) ``status`` and the () bool ``flag``, then writes
+    :func:`burst_status` of the new known mask into ``status``.
     """
     B, O, R = orders.shape
     chosen, tokens = chosen_order(orders, choice), chosen_order(tokens, choice)  # (B, R) each
@@ -245,6 +246,8 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     moved = n > 0
     last_pos.copy_(torch.where(moved, chosen.gather(1, last).squeeze(1), last_pos))
     last_tok.copy_(torch.where(moved, tokens.gather(1, last).squeeze(1), last_tok))
+    if status is not None:
+        status.copy_(burst_status(known, flag))
 
 
 def nonfinite(values: torch.Tensor, used: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -401,14 +404,15 @@ def residual_splice(tokens, n, r_tok, rejected):
     return torch.where(at_n, r_tok[:, None], tokens), n + rejected.long()
 
 
-def draft_slots(known, uniforms, R: int):
+def draft_slots(known, uniforms, keys, R: int):
     """A burst iteration's R draft slots of a (B, T) known mask: positions (a row's unknown positions in
     increasing order, then its known ones), the (B, T) uniforms at them, used (slot < the row's unknown
-    count) and the (B,) unknown counts."""
+    count), the (B,) unknown counts and the (B, O, R) visiting orders of the (B, O, T) ``keys``
+    (:func:`visit_orders`)."""
     positions = known.to(torch.int8).argsort(dim=1, stable=True)[:, :R]  # (B, R)
     remaining = (~known).sum(1)  # (B,)
     used = torch.arange(R, device=known.device)[None, :] < remaining[:, None]
-    return positions, uniforms.gather(1, positions), used, remaining
+    return positions, uniforms.gather(1, positions), used, remaining, visit_orders(keys, known, R)
 
 
 def visit_orders(keys, known, R: int):

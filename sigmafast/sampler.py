@@ -11,7 +11,8 @@ KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
     session.draft(positions (B, R)) -> (B, R, V)            # p(x_j | visited) for each j
     session.verify(orders (B, O, R), drafts (B, O, R)) -> Verified
         # step k of order o: q(x_ok | visited, x̃_o0 … x̃_o(k-1)), as logits or hidden states
-    session.commit(verified, choice (B,), n (B,))           # order choice[b]'s first n[b] steps
+    session.commit(verified, choice (B,), n (B,), status)   # order choice[b]'s first n[b] steps; status
+        # (3,) or None: where the burst status after it goes (largest unknown count, rows left, flag)
     session.select(rows (B',))                              # keep only these rows (drop finished ones)
 
 The steps themselves are :mod:`sigmafast.steps` (static shapes, no host

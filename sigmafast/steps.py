@@ -99,12 +99,13 @@ def _flags_backend(session) -> Optional[str]:
 
 
 class Slots(NamedTuple):
-    """The R slots a burst iteration drafts (``kernels.draft_slots``)."""
+    """The R slots a burst iteration drafts and the orders it verifies along (``kernels.draft_slots``)."""
 
     positions: torch.Tensor  # (B, R) remaining positions first, ascending, then known ones
     u_draft: torch.Tensor  # (B, R) the draft uniform of each slot's position
     used: torch.Tensor  # (B, R) bool: the slot holds a remaining position
     remaining: torch.Tensor  # (B,) unknown positions of each row
+    orders: torch.Tensor  # (B, O, R) the visiting orders: unknown positions by key, then known ones
 
 
 def draft(session, slots: Slots, temperature: float, top_k: Optional[int]) -> Drafts:
@@ -186,10 +187,9 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
     a row with a NaN or +inf logit, or none finite), or by ``flag_nonfinite`` on its outputs when greedy
     or traced.
     """
-    slots = Slots(*kernels.draft_slots(session.known, d.u_draft, R, backend=_backend(session)))
-    remaining, used = slots.remaining, slots.used  # (B,), (B, R)
+    slots = Slots(*kernels.draft_slots(session.known, d.u_draft, d.keys, R, backend=_backend(session)))
+    remaining, used, orders = slots.remaining, slots.used, slots.orders  # (B,), (B, R), (B, O, R)
     drafts = draft(session, slots, temperature, top_k)
-    orders = kernels.visit_orders(d.keys, session.known, R, backend=_backend(session))  # (B, O, R)
     along = along_orders(session, drafts, d.u_accept, orders)
     verified = session.verify(orders, along.tokens)
     scores = outputs(verified)  # (B, O, R, C or V)
@@ -208,8 +208,9 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
         r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)
         # at step n: the rejected one, or one past the commit when every step was accepted (never written)
         new_tok, n_commit = kernels.residual_splice(along.tokens[:, 0], n, r_tok, rejected, backend=_backend(session))
-    session.commit(verified, choice, n_commit, new_tok)
-    return n_commit, n, kernels.burst_status(session.known, bad, backend=backend)  # unknown = remaining - n_commit
+    status = remaining.new_empty(3)  # written by the commit: the known mask after it and the flag
+    session.commit(verified, choice, n_commit, new_tok, status)
+    return n_commit, n, status
 
 
 def ar_step(session, plan: ARPlan, temperature: float, top_k: Optional[int]) -> None:

@@ -16,7 +16,7 @@ from sigmafast.kernels import reference as ref
 gather_drafts = on_triton_device(along.gather_drafts)
 
 # (B, O, S, T, known fraction, orders): "sampler" orders visit the unknown positions first (as
-# kernels.visit_orders), "any" orders visit positions in any order, known or not
+# kernels.draft_slots' orders), "any" orders visit positions in any order, known or not
 CASES = [
     (1, 1, 1, 1, 0.0, "sampler"),  # one position, one step
     (2, 5, 16, 16, 0.3, "sampler"),  # a bucket wider than the remaining positions: padded steps

@@ -100,6 +100,44 @@ def test_commit_matches_reference(case, dtype):
         assert torch.equal(got["last_tok"][~moved], before["last_tok"][~moved])
 
 
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "flagged"])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_commit_writes_the_burst_status(case, bad, monkeypatch):
+    """With a status, the commit's kernels also write the burst status of the known mask after it (not the
+    reference's op): against the reference, and independently counted. The status starts above any count
+    (a count not zeroed shows); the other buffers are written as without a status."""
+    for seed in range(2):
+        args, state = _state(case, seed, torch.float32)
+        if seed == 1:  # only the positions this commit writes are unknown: every row finishes, counts of 0
+            orders, choice, n = (t.cpu() for t in args[:3])
+            known = torch.ones_like(state["known"], device="cpu")
+            for b in range(known.shape[0]):
+                known[b, orders[b, choice[b], :n[b]]] = False
+            state["known"] = known.to(DEVICE)
+        flag = torch.tensor(bad, device=DEVICE)
+        plain, want, got = _copy(state), _copy(state), _copy(state)
+        s_want, s_got = (torch.tensor([10**6, 10**6, 7], device=DEVICE) for _ in range(2))
+        ref.commit(*args, **want, flag=flag, status=s_want)
+        with monkeypatch.context() as m:
+            m.setattr(commit_step.reference, "burst_status", None)
+            commit_step.commit(*args, **got, flag=flag, status=s_got)
+        commit_step.commit(*args, **plain)
+        left = (~want["known"]).sum(1).cpu()
+        assert s_want.tolist() == [int(left.max()), int((left > 0).sum()), int(bad)]
+        assert torch.equal(s_got.cpu(), s_want.cpu()), f"seed {seed}: {s_got.tolist()} != {s_want.tolist()}"
+        for name in plain:
+            torch.testing.assert_close(got[name], plain[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_commit_writes_the_status_of_an_empty_batch():
+    args, state = _state((1, 1, 1, 1, 1, 16, "empty", "all", "contiguous"), 0, torch.float32)
+    args = tuple(t[:, :0] if i in (4, 5) else t[:0] for i, t in enumerate(args))
+    state = {k: t[:, :0] if k.endswith("cache") else t[:0] for k, t in state.items()}
+    status = torch.full((3,), 9, device=DEVICE)
+    commit_step.commit(*args, **state, flag=torch.tensor(True, device=DEVICE), status=status)
+    assert status.tolist() == [0, 0, 1]
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] > 1], ids=_ids)
 def test_commit_reads_the_chosen_orders_tokens_from_every_orders(case):
     """(B, O, R) tokens (the paper rule passes every order's): row b commits those of order ``choice[b]``,
@@ -152,6 +190,12 @@ def test_commit_writes_the_chosen_rows_where_the_reference_says():
     (dict(keys=torch.zeros(1, 2, 2, 1, 4, 8)), "keys must be"),
     (dict(v_cache=torch.zeros(1, 2, 1, 16, 10).transpose(-1, -2)), "k_cache and v_cache"),
     (dict(last_pos=torch.zeros(2, dtype=torch.int32)), "last_pos must be int64"),
+    (dict(flag=torch.zeros((), dtype=torch.bool)), "flag and status must be given together"),
+    (dict(status=torch.zeros(3, dtype=torch.long)), "flag and status must be given together"),
+    (dict(flag=torch.zeros(()), status=torch.zeros(3, dtype=torch.long)), "flag must be"),
+    (dict(flag=torch.zeros((), dtype=torch.bool), status=torch.zeros(3)), "status must be a contiguous"),
+    (dict(flag=torch.zeros((), dtype=torch.bool), status=torch.zeros(4, dtype=torch.long)), "status must be"),
+    (dict(flag=torch.zeros((), dtype=torch.bool), status=torch.zeros(6, dtype=torch.long)[::2]), "status must be"),
 ])
 def test_commit_rejects_bad_inputs(bad, match):
     B, O, R, D, T_ = 2, 2, 3, 16, 9

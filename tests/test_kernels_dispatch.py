@@ -158,8 +158,6 @@ def _backend_calls():
         "residual_sample": lambda **kw: kernels.residual_sample(logits, logits.flip(0), u, **kw),
         "flag_nonfinite": lambda **kw: kernels.flag_nonfinite(logits, u > 0.5, torch.zeros_like(u[0], dtype=torch.bool),
                                                               **kw),
-        "burst_status": lambda **kw: kernels.burst_status(u.view(2, 2) > 0.5, torch.zeros_like(u[0], dtype=torch.bool),
-                                                          **kw),
         "gather_drafts": lambda **kw: kernels.gather_drafts(drafts[:, 0], drafts[:, 0], dl[:, 0], drafts[:, 0],
                                                             drafts[:, 0] > 0, ua[:, 0], drafts, **kw),
     }
@@ -189,7 +187,8 @@ def _commit_sample(g: torch.Generator) -> tuple:
     return _dev(torch.rand(B, O, T, generator=g).argsort(-1)[..., :R], torch.tensor([2, 0]), torch.tensor([4, 1]),
                 torch.randint(0, 9, (B, R), generator=g), kv[0], kv[1], torch.zeros(B, T, dtype=torch.long),
                 torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
-                torch.zeros(2, B, 2, T + 1, D), torch.zeros(2, B, 2, T + 1, D), torch.tensor([0, 6]))
+                torch.zeros(2, B, 2, T + 1, D), torch.zeros(2, B, 2, T + 1, D), torch.tensor([0, 6]),
+                torch.ones((), dtype=torch.bool), torch.zeros(3, dtype=torch.long))
 
 
 def test_kernels_are_custom_ops():
@@ -235,7 +234,6 @@ def test_kernels_are_custom_ops():
         "flag_nonfinite": (*_dev(torch.randn(2, 3, 4, 9, generator=g).index_fill_(-1, torch.tensor([3]), float("nan")),
                                  torch.tensor([[[True, False, False, True]]]).expand(2, 1, 4),
                                  torch.zeros((), dtype=torch.bool)),),
-        "burst_status": tuple(_dev(torch.rand(3, 11, generator=g) < 0.5, torch.ones((), dtype=torch.bool))),
         "plan_step": tuple(_dev(torch.randint(0, 9, (4, 2, 5), generator=g), torch.tensor(3))),
         "gather_drafts": tuple(_dev(torch.tensor([[1, 3, 0], [2, 0, 1]]), torch.randint(9, (2, 3), generator=g),
                                     torch.rand(2, 3, generator=g), torch.randint(9, (2, 4), generator=g),
@@ -245,7 +243,8 @@ def test_kernels_are_custom_ops():
         "rotary_": (*_dev(torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)), None,
                     *_dev(torch.randint(0, 7, (2, 5), generator=g), torch.randint(0, 7, (2, 5), generator=g),
                           torch.rand(7, 4, generator=g), torch.rand(7, 4, generator=g)), -1.0),
-        "draft_slots": (*_dev(torch.rand(2, 6, generator=g) < 0.5, torch.rand(2, 6, generator=g)), 4),
+        "draft_slots": (*_dev(torch.rand(2, 6, generator=g) < 0.5, torch.rand(2, 6, generator=g),
+                              torch.rand(2, 3, 6, generator=g)), 4),
         "residual_pick": tuple(_dev(torch.tensor([1, 3]), torch.tensor([2, 3]), torch.tensor([[4, 0, 2], [1, 3, 0]]),
                                     torch.tensor([[0, 2, 1], [2, 0, 1]]), torch.rand(2, 5, generator=g),
                                     torch.randn(2, 3, 16, generator=g)[..., :9], torch.randn(2, 3, 4, generator=g))),
@@ -287,14 +286,12 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         res_m = kernels.acceptance_from_hidden(hidden, weight, drafts, draft_logp, ua, lens.clamp(max=R), 0.9,
                                                rule="lossless", backend="triton", scoring="matmul")
         r_tok = kernels.residual_sample(hidden[:, 0, 0] @ weight.T, p_logits[:, 0], ur, 0.9, backend="triton")
-        slots = kernels.draft_slots(known, u_pos, R, backend="triton")
-        orders = kernels.visit_orders(ua.new_ones(B, O, L) - u_pos[:, None], known, R, backend="triton")
+        slots = kernels.draft_slots(known, u_pos, ua.new_ones(B, O, L) - u_pos[:, None], R, backend="triton")
         nxt = hidden.new_empty(B, O, R, 2 * C)  # written by the first end (a mutated argument)
         ends = (*kernels.linear_add_norm(hidden, hidden, w_proj, next_weight=w_fc, next_bias=b_fc, next_out=nxt,
                                          backend="triton"), nxt,
                 *kernels.mlp_add_norm(hidden, hidden, w_fc, b_fc, w_fc.t().contiguous(), b_fc[:C], backend="triton"))
-        return (x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots, orders,
-                *ends)
+        return (x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots, *ends)
 
     traced = set()
 
@@ -310,7 +307,7 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     ops = {f"sigmafast.{name}" for name in
            ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample",
-            "draft_slots", "visit_orders", "linear_add_norm", "mlp_add_norm")}
+            "draft_slots", "linear_add_norm", "mlp_add_norm")}
     assert ops <= traced, f"not in the graph: {ops - traced}"
 
 

@@ -22,8 +22,8 @@ KERNELS = {
     "_chunk_max_kernel", "_pivot_kernel", "_collect_kernel", "_cand_select_kernel", "_topk_logq_kernel",
     "_lm_head_stats_kernel", "_lm_head_finish_kernel", "_commit_kv_kernel", "_commit_state_kernel",
     "_add_layer_norm_kernel", "_linear_add_norm_kernel", "_mlp_add_norm_kernel",
-    "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel", "_burst_status_kernel",
-    "_gather_drafts_kernel", "_draft_slots_kernel", "_visit_orders_kernel", "_rotary_kernel",
+    "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel",
+    "_gather_drafts_kernel", "_draft_slots_kernel", "_rotary_kernel",
     "_residual_pick_kernel", "_residual_splice_kernel", "_plan_step_kernel",
 }
 

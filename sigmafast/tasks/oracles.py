@@ -87,12 +87,15 @@ class OracleSession:
         p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts)
         return Verified(orders, None, self.oracle._to_logits(p), None, None)
 
-    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor) -> None:
+    def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
+               status: Optional[torch.Tensor] = None) -> None:
         """Write the first ``n[b]`` tokens of order ``choice[b]`` ((B, R), or (B, O, R): every order's) into the
-        canvas: the conditionals read it."""
+        canvas: the conditionals read it; into a (3,) int64 ``status``, also the burst status after it."""
         chosen_order = kernels.reference.chosen_order
         kernels.reference.write_canvas(self.canvas, self.known, chosen_order(verified.orders, choice), n,
                                        chosen_order(tokens, choice))
+        if status is not None:
+            status.copy_(kernels.reference.burst_status(self.known, self.nonfinite))
 
 
 class ProductOracle(Oracle):
