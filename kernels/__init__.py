@@ -264,6 +264,7 @@ def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier, *, 
     draft row and (B, X) verifier row it is drawn from; see the reference."""
     if _resolve(backend, u_residual) == "triton":
         return _triton().lossless.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
+    checks.check_residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier, unit_stride=False)
     return reference.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
 
 
@@ -273,6 +274,7 @@ def residual_splice(tokens, n, r_tok, rejected, *, backend: Optional[str] = None
     reference."""
     if _resolve(backend, tokens) == "triton":
         return _triton().lossless.residual_splice(tokens, n, r_tok, rejected)
+    checks.check_residual_splice(tokens, n, r_tok, rejected, unit_stride=False)
     return reference.residual_splice(tokens, n, r_tok, rejected)
 
 
@@ -283,6 +285,7 @@ def draft_slots(known, uniforms, keys, R: int, *, backend: Optional[str] = None
     reference."""
     if _resolve(backend, uniforms) == "triton":
         return _triton().slots.draft_slots(known, uniforms, keys, R)
+    checks.check_draft_slots(known, uniforms, keys, R, unit_stride=False)
     return reference.draft_slots(known, uniforms, keys, R)
 
 
@@ -293,6 +296,7 @@ def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders, *, b
     args = (positions, tokens, logp, canvas, known, uniforms, orders)
     if _resolve(backend, logp) == "triton":
         return _triton().along.gather_drafts(*args)
+    checks.check_gather_drafts(*args, unit_stride=False)
     return reference.gather_drafts(*args)
 
 
@@ -334,6 +338,7 @@ def plan_step(steps, step, *, backend: Optional[str] = None) -> torch.Tensor:
     (a () int64); see the reference."""
     if _resolve(backend, steps) == "triton":
         return _triton().plan.plan_step(steps, step)
+    checks.check_plan_step(steps, step, unit_stride=False)
     return reference.plan_step(steps, step)
 
 

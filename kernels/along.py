@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_tensor
+from .checks import check_gather_drafts
 
 BLOCK_R = 256  # slots written per pass
 BLOCK_S = 256  # order steps per program
@@ -97,26 +97,7 @@ def gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders):
     the position and the draft's slot in ``positions`` (0 at a known position); from the
     ``sigmafast::gather_drafts`` op.
     """
-    if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
-        raise ValueError(f"orders must be a (B, O, S) tensor, got {getattr(orders, 'shape', type(orders).__name__)}")
-    B = orders.shape[0]
-    device = orders.device
-    check_tensor("orders", orders, tuple(orders.shape), (torch.int64,), device, unit_stride=False)
-    if not isinstance(positions, torch.Tensor) or positions.ndim != 2:
-        raise ValueError(f"positions must be a (B, R) tensor, got "
-                         f"{getattr(positions, 'shape', type(positions).__name__)}")
-    R = positions.shape[1]
-    if not isinstance(canvas, torch.Tensor) or canvas.ndim != 2:
-        raise ValueError(f"canvas must be a (B, T) tensor, got {getattr(canvas, 'shape', type(canvas).__name__)}")
-    T = canvas.shape[1]
-    if not 1 <= R <= T:
-        raise ValueError(f"positions must hold 1 to T = {T} positions per row, got {R}")
-    check_tensor("positions", positions, (B, R), (torch.int64,), device)
-    check_tensor("tokens", tokens, (B, R), (torch.int64,), device)
-    check_tensor("logp", logp, (B, R), (torch.float32, torch.float64), device)
-    check_tensor("canvas", canvas, (B, T), (torch.int64,), device)
-    check_tensor("known", known, (B, T), (torch.bool,), device)
-    check_tensor("uniforms", uniforms, (B, T), (torch.float32, torch.float64), device)
+    check_gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders)

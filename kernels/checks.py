@@ -216,3 +216,88 @@ def check_hidden(hidden, weight, vocab_size, dtypes: tuple = FLOAT_DTYPES) -> in
     if isinstance(V, bool) or not isinstance(V, int) or not 1 <= V <= weight.shape[0]:
         raise ValueError(f"vocab_size must be None or an int in [1, {weight.shape[0]}], got {vocab_size!r}")
     return V
+
+
+def check_draft_slots(known, uniforms, keys, R, unit_stride: bool = True) -> None:
+    """A burst iteration's (B, T) known mask and uniforms, (B, O, T) order keys and R in [1, T]."""
+    if not isinstance(known, torch.Tensor) or known.ndim != 2:
+        raise ValueError(f"known must be a (B, T) tensor, got {getattr(known, 'shape', type(known).__name__)}")
+    B, T = known.shape
+    if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R <= T:
+        raise ValueError(f"R must be an int in [1, T = {T}], got {R!r}")
+    check_tensor("known", known, (B, T), (torch.bool,), known.device, unit_stride=unit_stride)
+    check_tensor("uniforms", uniforms, (B, T), (torch.float32, torch.float64), known.device, unit_stride=unit_stride)
+    if not isinstance(keys, torch.Tensor) or keys.ndim != 3 or keys.shape[1] < 1:
+        raise ValueError(f"keys must be a (B, O, T) tensor with O >= 1, got "
+                         f"{getattr(keys, 'shape', type(keys).__name__)}")
+    check_tensor("keys", keys, (B, keys.shape[1], T), (torch.float32, torch.float64), known.device,
+                 unit_stride=False)
+
+
+def check_gather_drafts(positions, tokens, logp, canvas, known, uniforms, orders, unit_stride: bool = True) -> None:
+    """The drafts (B, R), canvas, known mask and uniforms (B, T) and orders (B, O, S) of ``gather_drafts``."""
+    if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
+        raise ValueError(f"orders must be a (B, O, S) tensor, got {getattr(orders, 'shape', type(orders).__name__)}")
+    B = orders.shape[0]
+    device = orders.device
+    check_tensor("orders", orders, tuple(orders.shape), (torch.int64,), device, unit_stride=False)
+    if not isinstance(positions, torch.Tensor) or positions.ndim != 2:
+        raise ValueError(f"positions must be a (B, R) tensor, got "
+                         f"{getattr(positions, 'shape', type(positions).__name__)}")
+    R = positions.shape[1]
+    if not isinstance(canvas, torch.Tensor) or canvas.ndim != 2:
+        raise ValueError(f"canvas must be a (B, T) tensor, got {getattr(canvas, 'shape', type(canvas).__name__)}")
+    T = canvas.shape[1]
+    if not 1 <= R <= T:
+        raise ValueError(f"positions must hold 1 to T = {T} positions per row, got {R}")
+    check_tensor("positions", positions, (B, R), (torch.int64,), device, unit_stride=unit_stride)
+    check_tensor("tokens", tokens, (B, R), (torch.int64,), device, unit_stride=unit_stride)
+    check_tensor("logp", logp, (B, R), (torch.float32, torch.float64), device, unit_stride=unit_stride)
+    check_tensor("canvas", canvas, (B, T), (torch.int64,), device, unit_stride=unit_stride)
+    check_tensor("known", known, (B, T), (torch.bool,), device, unit_stride=unit_stride)
+    check_tensor("uniforms", uniforms, (B, T), (torch.float32, torch.float64), device, unit_stride=unit_stride)
+
+
+def check_plan_step(steps, step, unit_stride: bool = True) -> None:
+    """An autoregressive plan's (W, B, T) int64 steps (T >= 1) and its () int64 step."""
+    if not isinstance(steps, torch.Tensor) or steps.ndim != 3 or steps.shape[2] < 1:
+        raise ValueError(f"steps must be a (W, B, T) tensor with T >= 1, got "
+                         f"{getattr(steps, 'shape', type(steps).__name__)}")
+    check_tensor("steps", steps, tuple(steps.shape), (torch.int64,), steps.device, unit_stride=unit_stride)
+    check_tensor("step", step, (), (torch.int64,), steps.device, unit_stride=unit_stride)
+
+
+def check_residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier, unit_stride: bool = True) -> None:
+    """The arguments of ``residual_pick``: counts (B,), orders and slots (B, R), uniforms (B, T), rows."""
+    if not isinstance(orders, torch.Tensor) or orders.ndim != 2 or orders.shape[1] < 1:
+        raise ValueError(f"orders must be a (B, R) tensor with R >= 1, got "
+                         f"{getattr(orders, 'shape', type(orders).__name__)}")
+    B, R = orders.shape
+    device = orders.device
+    for name, t in (("n", n), ("remaining", remaining)):
+        check_int(name, t, (B,), device)
+    check_tensor("orders", orders, (B, R), (torch.int64,), device, unit_stride=unit_stride)
+    check_tensor("slots", slots, (B, R), (torch.int64,), device, unit_stride=unit_stride)
+    if not isinstance(u_residual, torch.Tensor) or u_residual.ndim != 2:
+        raise ValueError(f"u_residual must be a (B, T) tensor, got "
+                         f"{getattr(u_residual, 'shape', type(u_residual).__name__)}")
+    check_tensor("u_residual", u_residual, (B, u_residual.shape[1]), (torch.float32, torch.float64), device,
+                 unit_stride=unit_stride)
+    for name, t, rows in (("drafts", drafts, None), ("verifier", verifier, R)):
+        if (not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[0] != B or t.shape[2] < 1
+                or (rows is not None and t.shape[1] != rows) or t.shape[1] < 1 or t.device != device):
+            want = f"({B}, {'R' if rows is None else rows}, W)"
+            raise ValueError(f"{name} must be a {want} tensor on {device} with W >= 1, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+
+
+def check_residual_splice(tokens, n, r_tok, rejected, unit_stride: bool = True) -> None:
+    """The arguments of ``residual_splice``: tokens (B, R) int64, n and r_tok (B,) int64, rejected (B,) bool."""
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+        raise ValueError(f"tokens must be a (B, R) tensor, got {getattr(tokens, 'shape', type(tokens).__name__)}")
+    B, R = tokens.shape
+    device = tokens.device
+    check_tensor("tokens", tokens, (B, R), (torch.int64,), device, unit_stride=unit_stride)
+    check_int("n", n, (B,), device)
+    check_int("r_tok", r_tok, (B,), device)
+    check_tensor("rejected", rejected, (B,), (torch.bool,), device, unit_stride=unit_stride)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_int, check_tensor
+from .checks import check_residual_pick, check_residual_splice
 
 BLOCK_B = 4  # rows per program of the pick
 BLOCK_W = 1024  # row columns per program of the pick's copies
@@ -143,25 +143,7 @@ def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
     (B, X), the rows with their source's row stride when it is padded; from the ``sigmafast::residual_pick``
     op.
     """
-    if not isinstance(orders, torch.Tensor) or orders.ndim != 2 or orders.shape[1] < 1:
-        raise ValueError(f"orders must be a (B, R) tensor with R >= 1, got "
-                         f"{getattr(orders, 'shape', type(orders).__name__)}")
-    B, R = orders.shape
-    device = orders.device
-    for name, t in (("n", n), ("remaining", remaining)):
-        check_int(name, t, (B,), device)
-    check_tensor("orders", orders, (B, R), (torch.int64,), device)
-    check_tensor("slots", slots, (B, R), (torch.int64,), device)
-    if not isinstance(u_residual, torch.Tensor) or u_residual.ndim != 2:
-        raise ValueError(f"u_residual must be a (B, T) tensor, got "
-                         f"{getattr(u_residual, 'shape', type(u_residual).__name__)}")
-    check_tensor("u_residual", u_residual, (B, u_residual.shape[1]), (torch.float32, torch.float64), device)
-    for name, t, rows in (("drafts", drafts, None), ("verifier", verifier, R)):
-        if (not isinstance(t, torch.Tensor) or t.ndim != 3 or t.shape[0] != B or t.shape[2] < 1
-                or (rows is not None and t.shape[1] != rows) or t.shape[1] < 1 or t.device != device):
-            want = f"({B}, {'R' if rows is None else rows}, W)"
-            raise ValueError(f"{name} must be a {want} tensor on {device} with W >= 1, got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
+    check_residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
@@ -171,14 +153,7 @@ def residual_splice(tokens, n, r_tok, rejected):
     """The lossless commit's tokens and count: ``tokens`` (B, R) int64 with ``r_tok`` (B,) int64 at step n
     (B,) int64 (past the commit, or past R, where the row did not reject), and n + rejected (B,) int64
     (``rejected``: (B,) bool); from the ``sigmafast::residual_splice`` op."""
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-        raise ValueError(f"tokens must be a (B, R) tensor, got {getattr(tokens, 'shape', type(tokens).__name__)}")
-    B, R = tokens.shape
-    device = tokens.device
-    check_tensor("tokens", tokens, (B, R), (torch.int64,), device)
-    check_int("n", n, (B,), device)
-    check_int("r_tok", r_tok, (B,), device)
-    check_tensor("rejected", rejected, (B,), (torch.bool,), device)
+    check_residual_splice(tokens, n, r_tok, rejected)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.residual_splice(tokens, n, r_tok, rejected)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_tensor
+from .checks import check_plan_step
 
 BLOCK = 256  # values copied per loop step
 
@@ -52,11 +52,7 @@ def plan_step(steps: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     steps: (W, B, T) int64 (T >= 1); step: () int64. Returns now (W, B) int64, ``steps[:, :, step]``, and
     adds 1 to ``step``; from the ``sigmafast::plan_step`` op (no host sync).
     """
-    if not isinstance(steps, torch.Tensor) or steps.ndim != 3 or steps.shape[2] < 1:
-        raise ValueError(f"steps must be a (W, B, T) tensor with T >= 1, got "
-                         f"{getattr(steps, 'shape', type(steps).__name__)}")
-    check_tensor("steps", steps, tuple(steps.shape), (torch.int64,), steps.device)
-    check_tensor("step", step, (), (torch.int64,), steps.device)
+    check_plan_step(steps, step)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.plan_step(steps, step)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_tensor
+from .checks import check_draft_slots
 
 BLOCK_T = 1024  # positions per pass of a slots program
 BLOCK_I = 32  # positions ranked per orders program
@@ -159,18 +159,7 @@ def draft_slots(known: torch.Tensor, uniforms: torch.Tensor, keys: torch.Tensor,
 
     from the ``sigmafast::draft_slots`` op.
     """
-    if not isinstance(known, torch.Tensor) or known.ndim != 2:
-        raise ValueError(f"known must be a (B, T) tensor, got {getattr(known, 'shape', type(known).__name__)}")
-    B, T = known.shape
-    if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R <= T:
-        raise ValueError(f"R must be an int in [1, T = {T}], got {R!r}")
-    check_tensor("known", known, (B, T), (torch.bool,), known.device)
-    check_tensor("uniforms", uniforms, (B, T), (torch.float32, torch.float64), known.device)
-    if not isinstance(keys, torch.Tensor) or keys.ndim != 3 or keys.shape[1] < 1:
-        raise ValueError(f"keys must be a (B, O, T) tensor with O >= 1, got "
-                         f"{getattr(keys, 'shape', type(keys).__name__)}")
-    check_tensor("keys", keys, (B, keys.shape[1], T), (torch.float32, torch.float64), known.device,
-                 unit_stride=False)
+    check_draft_slots(known, uniforms, keys, R)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.draft_slots(known, uniforms, keys, R)

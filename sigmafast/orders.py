@@ -13,8 +13,17 @@ import torch
 ORDER_NAMES = ("left-to-right", "random", "fractal", "curriculum")
 
 
+def _check_sizes(batch_size, seq_len) -> None:
+    for name, n in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0, got {n}")
+
+
 def left_to_right(batch_size: int, seq_len: int, device=None) -> torch.Tensor:
     """(B, T) identity orders."""
+    _check_sizes(batch_size, seq_len)
     return torch.arange(seq_len, device=device).expand(batch_size, seq_len).clone()
 
 
@@ -22,6 +31,7 @@ def random(
     batch_size: int, seq_len: int, generator: Optional[torch.Generator] = None, device=None
 ) -> torch.Tensor:
     """(B, T) independent uniformly random permutations."""
+    _check_sizes(batch_size, seq_len)
     dev = generator.device if generator is not None else device
     keys = torch.rand(batch_size, seq_len, generator=generator, device=dev)
     return keys.argsort(dim=-1).to(device if device is not None else dev)
@@ -49,6 +59,7 @@ def fractal_order(seq_len: int) -> list[int]:
 
 def fractal(batch_size: int, seq_len: int, device=None) -> torch.Tensor:
     """(B, T) copies of :func:`fractal_order`."""
+    _check_sizes(batch_size, seq_len)
     row = torch.tensor(fractal_order(seq_len), dtype=torch.long, device=device)
     return row.expand(batch_size, seq_len).clone()
 
@@ -83,6 +94,8 @@ def curriculum(
     device=None,
 ) -> torch.Tensor:
     """(B, T) orders: the first ``round(fraction * B)`` rows left-to-right, the rest random."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
     n_l2r = int(round(fraction * batch_size))
     orders = random(batch_size, seq_len, generator=generator, device=device)
     orders[:n_l2r] = left_to_right(n_l2r, seq_len, device=orders.device)
@@ -131,8 +144,15 @@ def shuffle(
 def unshuffle(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Inverse of the gather in :func:`shuffle`: ``out[b, order[b, t]] = values[b, t]``.
 
-    ``values`` is (B, T, ...) in visiting order; returns natural order.
+    ``values`` is (B, T, ...) in visiting order and ``order`` (B, T) int64 with permutation rows (not
+    checked: that would read the device); returns natural order.
     """
+    if not isinstance(values, torch.Tensor) or not isinstance(order, torch.Tensor):
+        raise TypeError(f"values and order must be torch.Tensors, got {type(values).__name__} and "
+                        f"{type(order).__name__}")
+    if order.dim() != 2 or order.dtype != torch.int64 or values.dim() < 2 or values.shape[:2] != order.shape:
+        raise ValueError(f"order must be a (B, T) int64 tensor and values (B, T, ...), got order {order.dtype} "
+                         f"{tuple(order.shape)} and values {tuple(values.shape)}")
     index = order
     if values.dim() > 2:
         index = order.view(*order.shape, *([1] * (values.dim() - 2))).expand_as(values)

@@ -60,14 +60,19 @@ class SampleStats:
         return float(self.iterations.double().mean()) if self.iterations.numel() else 0.0
 
 
-def build_stats(accepted: list, lengths: Optional[list], batch_size: int, device, forward_calls: int,
-                wall_time: float) -> SampleStats:
-    """Stack per-iteration (B,) count tensors into a :class:`SampleStats`."""
-    acc = torch.stack(accepted, 1) if accepted else torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-    lens = None
-    if lengths is not None:
-        lens = torch.stack(lengths, 1) if lengths else torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+def build_stats(accepted, lengths, batch_size: int, device, forward_calls: int, wall_time: float) -> SampleStats:
+    """A :class:`SampleStats` from per-iteration counts: ``accepted`` and ``lengths`` (None: not a burst) each a
+    list of (B,) tensors, one per iteration, or already a (B, iterations) tensor."""
+    acc = _by_iteration(accepted, batch_size, device)
+    lens = None if lengths is None else _by_iteration(lengths, batch_size, device)
     return SampleStats((acc > 0).sum(1), forward_calls, acc, lens, wall_time)
+
+
+def _by_iteration(counts, batch_size: int, device) -> torch.Tensor:
+    """(B, iterations) int64 from a list of (B,) tensors (one stack) or such a tensor."""
+    if isinstance(counts, torch.Tensor):
+        return counts
+    return torch.stack(counts, 1) if counts else torch.zeros(batch_size, 0, dtype=torch.long, device=device)
 
 
 def nonfinite_error(what: str) -> ValueError:

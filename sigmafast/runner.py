@@ -147,10 +147,13 @@ class Engine(EagerRunner):
                  fused_ends: bool = True) -> None:
         if not is_sigma_gpt(model) or getattr(model, "objective", "sigma") != "sigma":
             raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
+        for name, flag in (("buckets", buckets), ("cuda_graphs", cuda_graphs)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be None or a bool, got {type(flag).__name__}")
         on_cuda = next(model.parameters()).is_cuda
         self.model = model
-        self.buckets = on_cuda if buckets is None else bool(buckets)
-        self.cuda_graphs = (on_cuda and self.buckets) if cuda_graphs is None else bool(cuda_graphs)
+        self.buckets = on_cuda if buckets is None else buckets
+        self.cuda_graphs = (on_cuda and self.buckets) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not (on_cuda and self.buckets):
             raise ValueError("cuda_graphs=True needs a model on a CUDA device and buckets=True")
         if compile_steps is not None and not isinstance(compile_steps, str):

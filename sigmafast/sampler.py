@@ -8,11 +8,13 @@ KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
     conds.vocab_size, conds.block_size
     session = conds.prefill(canvas (B, T), known (B, T))   # known tokens, ascending positions
     session.canvas, session.known                           # (B, T), updated in place by the steps
+    session.batch_size, session.nonfinite                   # rows (with padding); () bool, set by the steps
     session.draft(positions (B, R)) -> (B, R, V)            # p(x_j | visited) for each j
     session.verify(orders (B, O, R), drafts (B, O, R)) -> Verified
         # step k of order o: q(x_ok | visited, x̃_o0 … x̃_o(k-1)), as logits or hidden states
-    session.commit(verified, choice (B,), n (B,), status)   # order choice[b]'s first n[b] steps; status
-        # (3,) or None: where the burst status after it goes (largest unknown count, rows left, flag)
+    session.commit(verified, choice (B,), n (B,), tokens (B, R) or (B, O, R), status=None)
+        # keeps order choice[b]'s first n[b] steps; status: None or a (3,) int64 buffer for the burst
+        # status after it (largest unknown count, rows left, nonfinite)
     session.select(rows (B',))                              # keep only these rows (drop finished ones)
 
 The steps themselves are :mod:`sigmafast.steps` (static shapes, no host
@@ -197,7 +199,7 @@ def _autoregressive(runner, session, req, canvas, known, on_iteration):
     if bool(plan.nonfinite):  # one read after the loop, of the flag the steps accumulated on the device
         raise nonfinite_error("logits")
     _write_back(canvas, known, None, session)
-    accepted = [(todo > s).long() for s in range(n_steps)]
+    accepted = (todo[:, None] > torch.arange(n_steps, device=device)).long()  # (B, n_steps): one op, not n_steps
     return accepted, None, n_steps
 
 

@@ -242,6 +242,10 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, max_sessions=0)
     with pytest.raises(TypeError, match="lookahead must be a bool"):
         sigmafast.Engine(model, lookahead=1)
+    with pytest.raises(TypeError, match="buckets must be None or a bool, got str"):
+        sigmafast.Engine(model, buckets="false")
+    with pytest.raises(TypeError, match="cuda_graphs must be None or a bool, got int"):
+        sigmafast.Engine(model, cuda_graphs=0)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         sigmafast.warmup(model, 0, T)
     with pytest.raises(TypeError, match="batch_size must be an int >= 1, got float"):

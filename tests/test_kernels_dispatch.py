@@ -324,6 +324,8 @@ def _bad_calls():
     drafts = x.argmax(-1).view(1, 1, 4)
     scoring = (drafts, u.view(1, 1, 4), u.view(1, 1, 4))
     hidden, weight = torch.randn(1, 1, 4, 6), torch.randn(10, 6)
+    known, u_pos, keys = torch.zeros(2, 6, dtype=torch.bool), torch.rand(2, 6), torch.rand(2, 1, 6)
+    pos, tok = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 6, dtype=torch.long)
 
     def attn(i, value, verify=False):
         def call(backend):
@@ -358,6 +360,23 @@ def _bad_calls():
         ("attention-rank", attn(0, lambda q: q[0]), ValueError, "q must have 4 dimensions"),
         ("verify-rank", attn(0, lambda q: q[:, 0], verify=True), ValueError, "q must have 5 dimensions"),
         ("attention-int", attn(0, lambda q: q.long()), ValueError, "q must be float32"),
+        ("slots-R-over-T", lambda b: kernels.draft_slots(known, u_pos, keys, 7, backend=b), ValueError,
+         "R must be an int in \\[1, T = 6\\]"),
+        ("slots-keys-width", lambda b: kernels.draft_slots(known, u_pos, keys[..., :5], 4, backend=b), ValueError,
+         "keys must be a"),
+        ("along-orders-rank", lambda b: kernels.gather_drafts(pos, pos, u_pos[:, :3], tok, known, u_pos, pos,
+                                                              backend=b), ValueError, "orders must be a"),
+        ("along-canvas-float", lambda b: kernels.gather_drafts(pos, pos, u_pos[:, :3], u_pos, known, u_pos,
+                                                               pos[:, None], backend=b), ValueError, "canvas must be"),
+        ("plan-step-int32", lambda b: kernels.plan_step(tok[None], torch.zeros((), dtype=torch.int32), backend=b),
+         ValueError, "step must be"),
+        ("plan-steps-2d", lambda b: kernels.plan_step(tok, torch.zeros((), dtype=torch.long), backend=b),
+         ValueError, "steps must be a"),
+        ("pick-n-shape", lambda b: kernels.residual_pick(pos[:1, 0], pos[:, 0], pos, pos, u_pos, x.view(2, 2, 10),
+                                                         x.view(2, 2, 10), backend=b), ValueError,
+         "n must be an int32/int64"),
+        ("splice-rejected-int", lambda b: kernels.residual_splice(pos, pos[:, 0], pos[:, 0], pos[:, 0], backend=b),
+         ValueError, "rejected must be"),
     ]
 
 

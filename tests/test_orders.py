@@ -127,3 +127,20 @@ def test_shuffle_unshuffle_round_trip():
 def test_shuffle_shape_mismatch():
     with pytest.raises(ValueError, match="x and order"):
         orders.shuffle(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), 0, 4)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: orders.left_to_right(2.0, 5), TypeError, "batch_size must be an int"),
+    (lambda: orders.random(2, -1), ValueError, "seq_len must be >= 0"),
+    (lambda: orders.fractal(True, 5), TypeError, "batch_size must be an int"),
+    (lambda: orders.curriculum(4, 5, 1.5), ValueError, "fraction must be a number in \\[0, 1\\]"),
+    (lambda: orders.curriculum(4, 5, -0.1), ValueError, "fraction must be a number in \\[0, 1\\]"),
+    (lambda: orders.unshuffle(torch.zeros(2, 5), torch.arange(4).expand(2, 4)), ValueError, "order must be a"),
+    (lambda: orders.unshuffle(torch.zeros(2, 5), torch.arange(5.0).expand(2, 5)), ValueError, "int64"),
+    (lambda: orders.unshuffle(torch.zeros(5), torch.arange(5)), ValueError, "order must be a"),
+    (lambda: orders.unshuffle([0.0] * 5, torch.arange(5)[None]), TypeError, "values and order must be"),
+], ids=["l2r-float-batch", "random-negative-length", "fractal-bool-batch", "curriculum-over-1",
+        "curriculum-negative", "unshuffle-shape", "unshuffle-float-order", "unshuffle-1d", "unshuffle-list"])
+def test_orders_reject_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

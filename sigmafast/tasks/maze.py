@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .synthetic import SyntheticTask, _check_int, _token_list
+from .synthetic import SyntheticTask, check_int, token_list
 
 EMPTY, WALL, START, GOAL, PATH = range(5)
 CHARS = {EMPTY: " ", WALL: "#", START: "S", GOAL: "G", PATH: "*"}
@@ -88,10 +88,10 @@ class MazeTask(SyntheticTask):
         for arg, value in (("height", height), ("width", width)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 5 or value % 2 == 0:
                 raise ValueError(f"{arg} must be an odd int >= 5, got {value!r}")
-        _check_int("n_walls", n_walls, minimum=0)
+        check_int("n_walls", n_walls, minimum=0)
         # from any cell, the farthest interior corner is at least this far away
         reach = (height + width - 6) // 2
-        _check_int("min_distance", min_distance)
+        check_int("min_distance", min_distance)
         if min_distance > reach:
             raise ValueError(f"min_distance must be <= {reach} for a {height}x{width} maze, got {min_distance}")
         self.height, self.width = height, width
@@ -224,7 +224,7 @@ class MazeTask(SyntheticTask):
 
     def decode(self, tokens) -> str:
         """The maze and the drawn path as two grids side by side (' ', '#', 'S', 'G', '*'; '?' otherwise)."""
-        t = _token_list(tokens)
+        t = token_list(tokens)
         if len(t) != self.seq_len:
             raise ValueError(f"a maze sequence has {self.seq_len} tokens, got {len(t)}")
         chars = [CHARS.get(v, "?") for v in t]

@@ -51,9 +51,12 @@ class Oracle:
         out[..., : self.n_real] = p.log()
         return out
 
-    def logits(self, canvas: torch.Tensor, known: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(B, T) canvas, known mask and (B, R) positions -> (B, R, V) exact log-probabilities."""
-        return self._to_logits(self._probs(canvas, known, positions))
+    def logits(self, canvas: torch.Tensor, known: torch.Tensor, positions: torch.Tensor,
+               drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T) canvas, known mask and (B, R) positions -> (B, R, V) exact log-probabilities; or (B, O, R)
+        visiting orders with the (B, O, R) drafts at them -> (B, O, R, V): step k of order o conditioned on
+        the known tokens and the drafts at steps < k."""
+        return self._to_logits(self._probs(canvas, known, positions, drafts=drafts))
 
     def prefill(self, canvas: torch.Tensor, known: torch.Tensor) -> "OracleSession":
         return OracleSession(self, canvas, known)
@@ -84,8 +87,7 @@ class OracleSession:
         None when R == 1: no step has drafts before it)."""
         if drafts is None:
             drafts = torch.zeros_like(orders)  # never read: the only step has no draft before it
-        p = self.oracle._probs(self.canvas, self.known, orders, drafts=drafts)
-        return Verified(orders, None, self.oracle._to_logits(p), None, None)
+        return Verified(orders, None, self.oracle.logits(self.canvas, self.known, orders, drafts), None, None)
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
                status: Optional[torch.Tensor] = None) -> None:

@@ -19,13 +19,14 @@ VAL_SEED = 0x5167A  # seeds the fixed validation set of every generated task
 SPLITS = ("train", "val")
 
 
-def _check_int(name: str, value, minimum: int = 1) -> int:
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` when it is an int >= ``minimum`` (a task's size argument), else a ValueError naming it."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
-def _token_list(tokens) -> list[int]:
+def token_list(tokens) -> list[int]:
     """A 1-D tensor / sequence of ints as a Python list (for rendering only)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1:
@@ -42,10 +43,10 @@ class SyntheticTask(Task):
     """
 
     def __init__(self, seq_len: int, vocab_size: int, val_size: int = 1024) -> None:
-        self.seq_len = _check_int("seq_len", seq_len)
+        self.seq_len = check_int("seq_len", seq_len)
         self.vocab_size = vocab_size
         self.bos = vocab_size - 1
-        self.val_size = _check_int("val_size", val_size)
+        self.val_size = check_int("val_size", val_size)
         self._val_set: Optional[torch.Tensor] = None
 
     def _generate(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -69,7 +70,7 @@ class SyntheticTask(Task):
           generator the batch is rows ``0 .. batch_size-1`` (cycling), so a
           generator in the same state always gives the same validation batch.
         """
-        _check_int("batch_size", batch_size)
+        check_int("batch_size", batch_size)
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -113,7 +114,7 @@ class BinaryTask(ExactTask):
     """Sequences over {0, 1}; BOS = 2."""
 
     def decode(self, tokens) -> str:
-        return "".join({0: "0", 1: "1", self.bos: "^"}.get(t, "?") for t in _token_list(tokens))
+        return "".join({0: "0", 1: "1", self.bos: "^"}.get(t, "?") for t in token_list(tokens))
 
 
 class ProductTask(BinaryTask):
@@ -143,7 +144,7 @@ class StepTask(BinaryTask):
     name = "step"
 
     def __init__(self, seq_len: int = 100, run_length: int = 10, val_size: int = 1024) -> None:
-        self.run_length = _check_int("run_length", run_length)
+        self.run_length = check_int("run_length", run_length)
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < run_length:
             raise ValueError(f"seq_len must be an int >= run_length ({run_length}), got {seq_len!r}")
         super().__init__(seq_len, vocab_size=3, val_size=val_size)
@@ -175,7 +176,7 @@ class PermutationTask(ExactTask):
     name = "permutation"
 
     def __init__(self, seq_len: int = 100, val_size: int = 1024) -> None:
-        _check_int("seq_len", seq_len, minimum=2)
+        check_int("seq_len", seq_len, minimum=2)
         self.n_classes = seq_len
         super().__init__(seq_len, vocab_size=seq_len + 1, val_size=val_size)
 
@@ -191,7 +192,7 @@ class PermutationTask(ExactTask):
         return {"valid": valid.double().mean().item()}
 
     def decode(self, tokens) -> str:
-        return " ".join("<bos>" if t == self.bos else str(t) for t in _token_list(tokens))
+        return " ".join("<bos>" if t == self.bos else str(t) for t in token_list(tokens))
 
 
 class RandomWalkTask(SyntheticTask):
@@ -207,7 +208,7 @@ class RandomWalkTask(SyntheticTask):
     def __init__(
         self, seq_len: int = 100, starts: Sequence[int] = (100, 120, 130, 140), val_size: int = 1024
     ) -> None:
-        _check_int("seq_len", seq_len)
+        check_int("seq_len", seq_len)
         starts = tuple(starts)
         if not starts or not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
             raise ValueError(f"starts must be a non-empty sequence of ints, got {starts!r}")
@@ -235,4 +236,4 @@ class RandomWalkTask(SyntheticTask):
         return {"valid": (good_start & good_steps).double().mean().item()}
 
     def decode(self, tokens) -> str:
-        return " ".join("<bos>" if t == self.bos else str(t + self.value_offset) for t in _token_list(tokens))
+        return " ".join("<bos>" if t == self.bos else str(t + self.value_offset) for t in token_list(tokens))

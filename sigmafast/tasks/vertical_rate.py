@@ -56,7 +56,7 @@ from typing import NamedTuple
 import torch
 
 from .series import UniformBins
-from .synthetic import SyntheticTask, _check_int, _token_list
+from .synthetic import SyntheticTask, check_int, token_list
 
 LEVEL_STEP_FT = 1000.0  # cleared levels are multiples of this
 MIN_LEVEL_FT = 1000.0  # lowest cleared level
@@ -155,7 +155,7 @@ class VerticalRateTask(SyntheticTask):
         p_level_off: float = 0.5,
         val_size: int = 512,
     ) -> None:
-        _check_int("seq_len", seq_len, minimum=3)
+        check_int("seq_len", seq_len, minimum=3)
         for arg, value in (("interval_s", interval_s), ("noise_ft", noise_ft), ("p_level_off", p_level_off)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{arg} must be a finite number, got {value!r}")
@@ -165,7 +165,7 @@ class VerticalRateTask(SyntheticTask):
         if (seq_len - 2) * interval_s < MIN_WINDOW_S:
             raise ValueError(f"seq_len and interval_s give a window of (seq_len - 2) * interval_s = "
                              f"{(seq_len - 2) * interval_s:g} s; it must be >= {MIN_WINDOW_S:g} s to fit a manoeuvre")
-        _check_int("bin_ft", bin_ft)
+        check_int("bin_ft", bin_ft)
         self.interval_s, self.bin_ft = float(interval_s), bin_ft
         self.noise_ft, self.p_level_off = float(noise_ft), float(p_level_off)
         n_alt = int((max(a.max_level for a in AIRCRAFT) + TOP_MARGIN_FT) // bin_ft) + 1
@@ -282,4 +282,4 @@ class VerticalRateTask(SyntheticTask):
                 return AIRCRAFT[v - n_alt].name + ":"
             return "<bos>" if v == self.bos else "?"
 
-        return " ".join(show(v) for v in _token_list(tokens)) + " ft"
+        return " ".join(show(v) for v in token_list(tokens)) + " ft"
