@@ -41,9 +41,15 @@ def sample_validity(model: torch.nn.Module, task, canvas: torch.Tensor, seed: in
     """``task.evaluate`` of sequences sampled around the task's prompt: autoregressively in random
     order for a σ-GPT, in T steps for a diffusion model.
 
-    ``should_stop`` is called before sampling and, for a σ-GPT, after every sampling step; when it returns
-    true the evaluation is abandoned with :class:`~sigmafast.signals.EvaluationStopped`."""
-    from .naive import generate
+    A σ-GPT samples through a fresh :class:`~sigmafast.runner.Engine` (the weights change between
+    evaluations; no CUDA graphs are kept), on the reference kernels off CUDA (the Triton interpreter is for
+    the kernels' tests): the same tokens as ``naive.generate`` under the same generator, with a KV cache
+    instead of T full forwards. ``should_stop`` is called before sampling and, for a σ-GPT, after every
+    sampling step; when it returns true the evaluation is abandoned with
+    :class:`~sigmafast.signals.EvaluationStopped`."""
+    from .kernels import use_backend
+    from .runner import Engine
+    from .sampler import generate
 
     check_stop(should_stop)
     known = task.prompt_mask.to(device).expand(canvas.shape)  # (N, T)
@@ -51,6 +57,8 @@ def sample_validity(model: torch.nn.Module, task, canvas: torch.Tensor, seed: in
     if diffusion.objective_of(model) == "diffusion":
         samples = diffusion.generate(model, canvas.to(device), known=known, generator=g)
     else:
-        samples = generate(model, canvas.to(device), known=known, strategy="autoregressive", generator=g,
-                           on_iteration=None if should_stop is None else lambda *_: check_stop(should_stop))
+        with use_backend("auto" if torch.device(device).type == "cuda" else "reference"):
+            samples = generate(Engine(model, cuda_graphs=False), canvas.to(device), known=known,
+                               strategy="autoregressive", generator=g,
+                               on_iteration=None if should_stop is None else lambda *_: check_stop(should_stop))
     return task.evaluate(samples.cpu())

@@ -82,11 +82,11 @@ def test_log_lines(tmp_path, caplog):
 
 
 def test_validity_metric_from_sampled_sequences(tmp_path, monkeypatch):
-    import sigmafast.naive
+    import sigmafast.sampler
 
     valid = get_task("step", seq_len=12).sample_batch(4, "val", torch.Generator().manual_seed(0))
     outs = iter([valid, torch.zeros_like(valid)])  # all-zero step rows are invalid
-    monkeypatch.setattr(sigmafast.naive, "generate", lambda *a, **k: next(outs))
+    monkeypatch.setattr(sigmafast.sampler, "generate", lambda *a, **k: next(outs))
     result = train(small_cfg(tmp_path, task="step", seq_len=12, max_iters=2, eval_interval=2, num_eval_samples=4))
     assert [r["sample_valid"] for r in result.history] == [1.0, 0.0]
 
@@ -416,7 +416,7 @@ def test_task_recipes_fill_only_unset_fields(monkeypatch):
 def test_evaluation_loops_stop_when_asked():
     """``should_stop`` is polled before every validation batch and every sampling step: a true answer
     abandons the evaluation with EvaluationStopped."""
-    from sigmafast import diffusion
+    from sigmafast import diffusion, naive
     from sigmafast.diffusion import training as diffusion_training
     from sigmafast.evaluation import estimate_val_loss, sample_validity
     from sigmafast.signals import EvaluationStopped
@@ -451,6 +451,9 @@ def test_evaluation_loops_stop_when_asked():
     assert len(polls) == 6  # once before sampling, then after each sampling step
     assert sample_validity(model, task, canvas, 0, "cpu", should_stop=lambda: False) \
         == sample_validity(model, task, canvas, 0, "cpu")
+    naive_samples = naive.generate(model, canvas, known=task.prompt_mask.expand(canvas.shape),
+                                   strategy="autoregressive", generator=torch.Generator().manual_seed(0))
+    assert sample_validity(model, task, canvas, 0, "cpu") == task.evaluate(naive_samples)  # the same tokens
 
     dmodel = diffusion.make_model(model.config, "diffusion", diffusion.DiffusionConfig(noise="absorbing"))
     xs = [x for x, _ in batches]
