@@ -50,18 +50,19 @@ STATUS_BLOCK = 1024  # positions per pass of a row's unknown count
 _KV_STRIDES = [f"s_{t}{d}" for t in "kv" for d in "lboh"] + ["s_kr", "s_vr"] + [f"s_c{d}" for d in "lbhs"]
 
 
-@triton.jit(do_not_specialize=_KV_STRIDES + ["H", "R", "max_len", "n_zero"],
+@triton.jit(do_not_specialize=_KV_STRIDES + ["H", "R", "max_len", "has_status"],
             do_not_specialize_on_alignment=["CHOICE", "N", "LENS", "STATUS"])
 def _commit_kv_kernel(
     K, V, KC, VC, CHOICE, N, LENS, STATUS,
     s_kl, s_kb, s_ko, s_kh, s_vl, s_vb, s_vo, s_vh, s_kr, s_vr, s_cl, s_cb, s_ch, s_cs,
-    H, R, max_len, n_zero,
+    H, R, max_len, has_status,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     i_l = tl.program_id(1).to(tl.int64)
-    o_z = tl.arange(0, 2)  # the status counts, zeroed by the first program (n_zero: 2 with a status, else 0)
-    tl.store(STATUS + o_z, tl.zeros([2], tl.int64), mask=o_z < tl.where((pid_bh == 0) & (i_l == 0), n_zero, 0))
+    o_z = tl.arange(0, 2)  # the status counts, zeroed by the first program when there is a status
+    tl.store(STATUS + o_z, tl.zeros([2], tl.int64),
+             mask=o_z < tl.where((pid_bh == 0) & (i_l == 0), 2 * has_status, 0))
     i_b = (pid_bh // H).to(tl.int64)
     i_h = (pid_bh % H).to(tl.int64)
     i_o = tl.load(CHOICE + i_b).to(tl.int64)
@@ -146,7 +147,7 @@ def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, las
         unit = _kv_unit(*kv_strides)
         _commit_kv_kernel[(B * H, n_layer)](
             keys, values, k_cache, v_cache, choice, n, lens, status_ptr, *in_units(unit, *kv_strides), H, R, L1 - 1,
-            2 if fused else 0, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=BLOCK_R, STRIDE_UNIT=unit, num_warps=1,
+            int(fused), D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=BLOCK_R, STRIDE_UNIT=unit, num_warps=1,
         )
     orders = orders if orders.stride(-1) == 1 else orders.contiguous()
     tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()
