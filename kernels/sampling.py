@@ -5,7 +5,7 @@ twice) by thousands of (row block, chunk) programs, plus one chunk per row:
 
 * ``_chunk_stats_kernel`` (vocab.py): per (row, chunk) the max and sum of
   ``exp(x - max)`` of the processed logits (temperature, top-k threshold from
-  ``topk.threshold``: radix select on CUDA); residual: for q and for p;
+  ``topk.threshold``); residual: for q's and p's rows in one launch;
 * residual only, ``_residual_mass_kernel`` (vocab.py): per (row, chunk) the
   masses of ``max(0, q - p)`` and of q (the row log-sum-exps come from the
   partials);
@@ -180,12 +180,12 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None, used=
         return tokens, logp
     u = uniforms.contiguous()  # float32 or float64: the kernels round it to float32, as the reference does
     s_x = row_stride(q_logits) // cfg.unit
-    mq, sq = chunk_stats(q_logits, kq, temperature, cfg, s_x)  # (N, NC) each
     grid = (triton.cdiv(N, cfg.block_n),)
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
                 STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps)
-    if residual:
-        mp, sp = chunk_stats(p_logits, kp, temperature, cfg, s_x)
+    if residual:  # q's and p's partials in one launch: (2N, NC), q's rows first
+        m, s = chunk_stats(q_logits, kq, temperature, cfg, s_x, p_logits, kp)
+        mq, sq, mp, sp = m[:N], s[:N], m[N:], s[N:]
         rm, qm, lse = residual_masses(q_logits, p_logits, kq, kp, mq, sq, mp, sp, temperature, cfg, s_x)
         kq_, kp_ = (kq, kp) if kq is not None else (u, u)
         _residual_kernel[grid](
@@ -193,6 +193,7 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None, used=
             float(temperature), **meta,
         )
     else:
+        mq, sq = chunk_stats(q_logits, kq, temperature, cfg, s_x)  # (N, NC) each
         check = 0 if flag is None else 1 if used is None else 2
         flag_u8 = (tokens if flag is None else flag).view(torch.uint8)  # without a flag: never written (check 0)
         used_u8 = flag_u8 if used is None else used.view(torch.uint8)

@@ -148,7 +148,7 @@ def _chunk_max_kernel(
     b_raw = stream_load(X, t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)  # one row per tile: N row blocks
     for _ in range(t, n_tiles, step):
         b_next = stream_load(X, t + step, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)
-        o_n64, m_n, p, o_b, _, r_shift, _, interior = stream_tile(t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)
+        o_n64, m_n, p, o_b, _, r_shift, _, interior, _ = stream_tile(t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)
         o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
         b_key = order_key32(b_raw.to(tl.float32))
         if not interior:

@@ -24,6 +24,8 @@ and so the partials, are bit-identical to one program per tile
 
 * :func:`chunk_stats` (``_chunk_stats_kernel``): per (row, chunk) the max of the
   processed logits (temperature, top-k threshold) and the sum of ``exp(x - max)``.
+  A pair of tensors of one row stride (the residual's q and p) takes one launch:
+  their row blocks follow each other in the stream, each tile reads one tensor.
   ``row_masses`` combines them into the row max, the row total
   ``sum exp(x - row max)`` and each chunk's share of it
   (``s_c * exp(m_c - row max)``), exactly like an online log-sum-exp.
@@ -170,27 +172,42 @@ def aligned_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
 
 @triton.jit
 def stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
-                CHUNK: tl.constexpr):
+                CHUNK: tl.constexpr, n_rb_x=None, N_X=None):
     """Tile t of a (row blocks x window tiles of BLOCK_V columns) stream, row blocks fastest: (BLOCK_N,) int64
     rows, their mask (all False past the last tile), the tile c, its window offsets as (BLOCK_V // CHUNK, CHUNK)
     (one row of BLOCK_V when CHUNK == BLOCK_V; smaller chunks with BLOCK_N == 1 only), the rows'
-    ``row_window`` and ``is_interior(c)``."""
+    ``row_window``, ``is_interior(c)`` and whether the tile reads the second tensor of a pair (see
+    ``stream_load``). A pair's rows: the first ``n_rb_x`` row blocks hold the first tensor's N_X rows, the
+    others the second's N - N_X rows, which are rows N_X.. of the stream (``o_n64``)."""
     c = t // n_rb
-    o_n = (t - c * n_rb) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_rb = t - c * n_rb
+    second = False
+    o_n = i_rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_rows = N
+    if n_rb_x is not None:
+        second = i_rb >= n_rb_x
+        o_n = o_n - tl.where(second, n_rb_x * BLOCK_N, 0)
+        n_rows = tl.where(second, N - N_X, N_X)
     o_n64 = o_n.to(tl.int64)
     o_base, shift, end = row_window(o_n64, s_x, V, ALIGN)
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    m_n = o_n < tl.where(c < NC, N, 0)
-    return o_n64, m_n, c, o_b, o_base, shift, end, is_interior(c, V, BLOCK_V, ALIGN)
+    m_n = o_n < tl.where(c < NC, n_rows, 0)
+    if n_rb_x is not None:
+        o_n64 = o_n64 + tl.where(second, N_X, 0)
+    return o_n64, m_n, c, o_b, o_base, shift, end, is_interior(c, V, BLOCK_V, ALIGN), second
 
 
 @triton.jit
 def stream_load(ptr, t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """The raw logits of ``stream_tile`` t of the rows at ``ptr``, unconverted. Lanes of masked rows, and of an
-    edge tile outside the rows' windows, are undefined: ``in_rows`` masks the columns and the kernels store
-    masked rows' results nowhere."""
-    _, m_n, _, o_b, o_base, _, end, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, CHUNK)
+                CHUNK: tl.constexpr, ptr_y=None, n_rb_x=None, N_X=None):
+    """The raw logits of ``stream_tile`` t of the rows at ``ptr`` (a pair's: its rows at ``ptr``, then those
+    at ``ptr_y``, of the same row stride), unconverted. Lanes of masked rows, and of an edge tile outside the
+    rows' windows, are undefined: ``in_rows`` masks the columns and the kernels store masked rows' results
+    nowhere."""
+    _, m_n, _, o_b, o_base, _, end, interior, second = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
+                                                                   CHUNK, n_rb_x, N_X)
+    if ptr_y is not None:
+        ptr = tl.where(second, ptr_y, ptr)  # uniform over the tile: its loads stay 16-byte vectors
     p_x = ptr + o_base[:, None] + o_b
     if interior:
         b_raw = tl.load(p_x, mask=tl.broadcast_to(m_n[:, None], p_x.shape))
@@ -216,25 +233,28 @@ def stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK: tl
     return processed(b_x, kth, temperature, HAS_TOPK)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC", "n_rb", "n_tiles"], do_not_specialize_on_alignment=["KTH"])
+@triton.jit(do_not_specialize=["s_x", "N", "N_X", "NC", "n_rb", "n_rb_x", "n_tiles"],
+            do_not_specialize_on_alignment=["KX", "KY"])
 def _chunk_stats_kernel(
-    X, KTH, M, S, s_x, N, V, NC, n_rb, n_tiles, temperature,
+    X, Y, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """(N, NC) chunk max M and sum of exp(x - M) S of the processed logits. Each program strides over the
-    (row block, chunk) tiles and loads tile i + 1 before it reduces tile i (see ``stream_grid``)."""
+    """(N, NC) chunk max M and sum of exp(x - M) S of the processed logits: the N_X rows of X (top-k
+    thresholds KX), in its first n_rb_x row blocks, then the N - N_X rows of Y (KY). Each program strides over
+    the (row block, chunk) tiles and loads tile i + 1 before it reduces tile i (see ``stream_grid``)."""
     s_x = s_x * STRIDE_UNIT  # see utils for STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
-    b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+    b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V, Y, n_rb_x, N_X)
     for _ in range(t, n_tiles, step):
-        b_next = stream_load(X, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
-        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
-                                                                BLOCK_V)
+        b_next = stream_load(X, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V, Y, n_rb_x, N_X)
+        o_n64, m_n, c, o_b, _, shift, _, interior, second = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V,
+                                                                        ALIGN, BLOCK_V, n_rb_x, N_X)
         kth = tl.zeros([BLOCK_N, 1], tl.float32)
         if HAS_TOPK:
-            kth = tl.load(KTH + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
+            p_k = tl.where(second, KY - N_X, KX) + o_n64
+            kth = tl.load(p_k, mask=m_n, other=0.0).to(tl.float32)[:, None]
         b_x = stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
         b_m = tl.max(b_x, 1)  # (BLOCK_N,)
         m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
@@ -263,7 +283,8 @@ def row_masses(M, S, o_n64, m_n, NC, NC_PAD: tl.constexpr):
     return r_m, b_w, r_t
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC", "n_rb", "n_tiles"], do_not_specialize_on_alignment=["KQ", "KP"])
+@triton.jit(do_not_specialize=["s_x", "N", "NC", "n_rb", "n_tiles"],
+            do_not_specialize_on_alignment=["KQ", "KP", "MP", "SP"])  # MP, SP: views at row N of the partials
 def _residual_mass_kernel(
     QL, PL, KQ, KP, MQ, SQ, MP, SP, RM, QM, LSE, s_x, N, V, NC, n_rb, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
@@ -280,8 +301,8 @@ def _residual_mass_kernel(
     for _ in range(t, n_tiles, step):
         b_nq = stream_load(QL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
         b_np = stream_load(PL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
-        o_n64, m_n, c, o_b, _, shift, _, interior = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
-                                                                BLOCK_V)
+        o_n64, m_n, c, o_b, _, shift, _, interior, _ = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
+                                                                   BLOCK_V)
         lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
         kq = tl.zeros([BLOCK_N, 1], tl.float32)
         kp = tl.zeros([BLOCK_N, 1], tl.float32)
@@ -331,14 +352,19 @@ def stream_grid(kernel, n_tiles: int, args: tuple, meta: dict, device: torch.dev
     return (max(1, min(n_tiles, resident_programs(kernel, args, meta, device) * num_sms(device))),)
 
 
-def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int):
-    """Launch ``_chunk_stats_kernel`` on (N, V) rows (N > 0): (N, NC) float32 chunk max and sum of exp."""
-    N, V = logits.shape
+def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int, more=None, more_kth=None):
+    """Launch ``_chunk_stats_kernel`` on (N, V) rows (N > 0): (N, NC) float32 chunk max and sum of exp. With
+    ``more``, (N', V) rows of the same row stride (and their top-k thresholds ``more_kth`` when ``kth`` is
+    given), one launch covers both: (N + N', NC) partials, ``more``'s rows after those of ``logits``."""
+    N_X, V = logits.shape
+    N = N_X + (0 if more is None else more.shape[0])
     m = torch.empty(N, cfg.nc, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
-    n_rb = triton.cdiv(N, cfg.block_n)
-    args = (logits, kth if kth is not None else m, m, s, stride_units, N, V, cfg.nc, n_rb, n_rb * cfg.nc,
-            float(temperature))
+    n_rb_x = triton.cdiv(N_X, cfg.block_n)
+    n_rb = n_rb_x + triton.cdiv(N - N_X, cfg.block_n)
+    k_x = kth if kth is not None else m
+    args = (logits, logits if more is None else more, k_x, k_x if more_kth is None else more_kth, m, s,
+            stride_units, N, N_X, V, cfg.nc, n_rb, n_rb_x, n_rb * cfg.nc, float(temperature))
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
                 ALIGN=cfg.align, num_warps=cfg.stream_warps)
     _chunk_stats_kernel[stream_grid(_chunk_stats_kernel, n_rb * cfg.nc, args, meta, logits.device)](*args, **meta)

@@ -219,14 +219,19 @@ def test_persistent_stream_matches_one_program_per_tile(dtype, T, k, monkeypatch
         s_x = q.stride(0) // cfg.unit
         mq, sq = vocab.chunk_stats(q, kq, T, cfg, s_x)
         mp, sp = vocab.chunk_stats(p, kp, T, cfg, s_x)
-        return [mq, sq, mp, sp, *vocab.residual_masses(q, p, kq, kp, mq, sq, mp, sp, T, cfg, s_x)]
+        m, s = vocab.chunk_stats(q, kq, T, cfg, s_x, p, kp)  # both in one launch, p's rows after q's
+        return [mq, sq, mp, sp, m, s, *vocab.residual_masses(q, p, kq, kp, mq, sq, mp, sp, T, cfg, s_x)]
 
     n_tiles = triton.cdiv(N, cfg.block_n) * cfg.nc
     assert vocab.stream_grid(None, n_tiles, (), {}, q.device)[0] < n_tiles, "every program must loop"
-    names = ["q chunk max", "q chunk sum", "p chunk max", "p chunk sum", "residual masses", "q masses", "lse"]
-    for name, got, want in zip(names, run(True), run(False)):
+    names = ["q chunk max", "q chunk sum", "p chunk max", "p chunk sum", "paired chunk max", "paired chunk sum",
+             "residual masses", "q masses", "lse"]
+    results = run(True)
+    for name, got, want in zip(names, results, run(False)):
         assert not got.isnan().any(), f"{name}: the persistent programs left elements unwritten"
         assert torch.equal(got, want), f"{name} differs from one program per tile"
+    mq, sq, mp, sp, m, s = results[:6]
+    assert torch.equal(m, torch.cat([mq, mp])) and torch.equal(s, torch.cat([sq, sp])), "paired != separate"
 
 
 @pytest.mark.parametrize("regs, shared, warps, want", [
