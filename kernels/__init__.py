@@ -38,9 +38,9 @@ its plan. The functions below pick one per call:
   ``tl.dot`` returns garbage in it).
 
 Triton and the kernel modules are imported only when the Triton path is taken,
-so importing this package needs no triton (e.g. on macOS). The attention,
-acceptance and sampling functions check their arguments the same way on both
-paths (``checks``: the reference also takes float64).
+so importing this package needs no triton (e.g. on macOS). Every function
+checks its arguments the same way on both paths (``checks``, ``step_checks``:
+the reference also takes float64, and any width or stride).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from . import checks, reference
+from . import checks, reference, step_checks
 from .reference import Acceptance
 
 BACKENDS = ("auto", "triton", "reference")
@@ -145,7 +145,7 @@ def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backen
     """(B, H, R, D) queries over ``cache[:cache_lens]`` plus their own key; see the reference."""
     if _resolve(backend, q) == "triton":
         return _triton().attention.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
-    checks.check_attention(q, k, v, k_cache, v_cache, cache_lens, 4, _REF)
+    checks.check_attention(q, k, v, k_cache, v_cache, cache_lens, 4, _REF, scale=scale)
     return reference.burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
@@ -153,7 +153,7 @@ def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backe
     """(B, O, H, R, D) orders, causal, over a shared cache prefix; see the reference."""
     if _resolve(backend, q) == "triton":
         return _triton().attention.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
-    checks.check_attention(q, k, v, k_cache, v_cache, cache_lens, 5, _REF)
+    checks.check_attention(q, k, v, k_cache, v_cache, cache_lens, 5, _REF, scale=scale)
     return reference.verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale)
 
 
@@ -224,6 +224,7 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     """The residual sum ``x + y`` and its LayerNorm, (..., C) each; see the reference."""
     if _resolve(backend, x) == "triton":
         return _triton().layer_norm.add_layer_norm(x, y, weight, bias, eps)
+    step_checks.check_add_layer_norm(x, y, weight, bias, eps)
     return reference.add_layer_norm(x, y, weight, bias, eps)
 
 
@@ -235,6 +236,7 @@ def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, e
     nxt = dict(next_weight=next_weight, next_bias=next_bias, next_out=next_out)
     if _resolve(backend, x) == "triton":
         return _triton().linear_norm.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
+    step_checks.check_linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
     return reference.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
 
 
@@ -247,6 +249,7 @@ def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=N
     nxt = dict(next_weight=next_weight, next_bias=next_bias, next_out=next_out)
     if _resolve(backend, x) == "triton":
         return _triton().linear_norm.mlp_add_norm(*args, **nxt)
+    step_checks.check_mlp_add_norm(*args, **nxt)
     return reference.mlp_add_norm(*args, **nxt)
 
 
@@ -255,6 +258,7 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Opti
     optional) by ``pos_k``'s, times ``sign`` (-1 rotates back); see the reference."""
     if _resolve(backend, q) == "triton":
         return _triton().rotary.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
+    step_checks.check_rotary(q, k, v, pos_q, pos_k, cos, sin)
     return reference.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
 
 
@@ -310,6 +314,7 @@ def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weigh
     nxt = dict(next_weight=next_weight, next_bias=next_bias, next_out=next_out)
     if _resolve(backend, wte) == "triton":
         return _triton().embed.feed_embedding(*args, **nxt)
+    step_checks.check_feed_embedding(*args, **nxt)
     return reference.feed_embedding(*args, **nxt)
 
 
@@ -322,6 +327,7 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
                  v_cache=v_cache, lens=lens, flag=flag, status=status)
     if _resolve(backend, k_cache) == "triton":
         return _triton().commit_step.commit(orders, choice, n, tokens, keys, values, **state)
+    step_checks.check_commit(orders, choice, n, tokens, keys, values, **state)
     return reference.commit(orders, choice, n, tokens, keys, values, **state)
 
 
@@ -330,6 +336,7 @@ def flag_nonfinite(values, used, flag, *, backend: Optional[str] = None) -> None
     None or a bool mask broadcastable to the leading dims); never clears it. See the reference."""
     if _resolve(backend, values) == "triton":
         return _triton().flags.flag_nonfinite(values, used, flag)
+    step_checks.check_flag_nonfinite(values, used, flag)
     return reference.flag_nonfinite(values, used, flag)
 
 

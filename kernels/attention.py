@@ -293,7 +293,7 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
 
 
 def _attention(ndim, q, k, v, k_cache, v_cache, cache_lens, scale, out, num_splits) -> torch.Tensor:
-    check_attention(q, k, v, k_cache, v_cache, cache_lens, ndim, max_head_dim=MAX_HEAD_DIM)
+    check_attention(q, k, v, k_cache, v_cache, cache_lens, ndim, max_head_dim=MAX_HEAD_DIM, scale=scale)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")

@@ -89,8 +89,9 @@ def check_top_k(top_k) -> None:
 
 
 def check_attention(q, k, v, k_cache, v_cache, cache_lens, ndim: int, dtypes: tuple = FLOAT_DTYPES,
-                    max_head_dim: Optional[int] = None) -> None:
-    """q, k, v (..., H, R, D) of rank ``ndim`` against caches (B, H, L, D) and lens (B,)."""
+                    max_head_dim: Optional[int] = None, scale=None) -> None:
+    """q, k, v (..., H, R, D) of rank ``ndim`` against caches (B, H, L, D) and lens (B,); the softmax scale
+    None or a positive real."""
     check_float("q", q, ndim, dtypes)
     check_same("k", k, "q", q)
     check_same("v", v, "q", q)
@@ -106,6 +107,9 @@ def check_attention(q, k, v, k_cache, v_cache, cache_lens, ndim: int, dtypes: tu
     if max_head_dim is not None and D > max_head_dim:
         raise ValueError(f"head dim D={D} is over the supported maximum {max_head_dim}")
     check_int("cache_lens", cache_lens, (B,), q.device)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be None or a positive finite float, got {scale!r:.40}")
 
 
 def check_sampling(logits, uniforms, temperature, top_k, block_v=None, name: str = "logits",
@@ -165,19 +169,18 @@ def check_used_rows(used, flag, logits: torch.Tensor) -> None:
 
 def check_residual(q_logits, p_logits, uniforms, temperature, top_k, block_v=None,
                    dtypes: tuple = FLOAT_DTYPES) -> None:
-    """(N, V) q and p logits and (N,) uniforms."""
+    """(N, V) q and p logits of one dtype and (N,) uniforms."""
     check_sampling(q_logits, uniforms, temperature, top_k, block_v, "q_logits", dtypes)
-    check_float("p_logits", p_logits, 2, dtypes)
-    if p_logits.shape != q_logits.shape or p_logits.device != q_logits.device:
-        raise ValueError(f"p_logits must have q_logits' shape {tuple(q_logits.shape)} on {q_logits.device}, "
-                         f"got {tuple(p_logits.shape)} on {p_logits.device}")
+    check_same("p_logits", p_logits, "q_logits", q_logits)
 
 
 def check_scoring(shape, device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule) -> None:
-    """The (B, O, R) = ``shape`` drafting inputs of an acceptance."""
+    """The (B, O, R) = ``shape`` drafting inputs of an acceptance (O >= 1)."""
     if rule not in RULES:
         raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
     B, O, R = shape
+    if O < 1:
+        raise ValueError(f"an acceptance needs at least one order: the scores' shape (B, O, R) is {tuple(shape)}")
     if not isinstance(drafts, torch.Tensor) or drafts.dtype not in (torch.int32, torch.int64):
         got = getattr(drafts, "dtype", type(drafts))
         raise ValueError(f"drafts must be an int64 tensor of shape {(B, O, R)}, got {got}")
@@ -198,8 +201,10 @@ def check_scoring(shape, device, drafts, draft_logp, uniforms, lengths, temperat
 
 def check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
                      dtypes: tuple = FLOAT_DTYPES) -> None:
-    """(B, O, R, V) verifier logits and the drafting inputs."""
+    """(B, O, R, V) verifier logits (V >= 1) and the drafting inputs."""
     check_float("logits", logits, 4, dtypes)
+    if logits.shape[3] < 1:
+        raise ValueError(f"logits must have a nonempty vocabulary dimension, got shape {tuple(logits.shape)}")
     check_scoring(logits.shape[:3], logits.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 

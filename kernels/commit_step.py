@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .checks import check_flag, check_int
+from .step_checks import check_commit
 from .utils import in_units, strides
 
 BLOCK_R = 16  # accepted rows per loop step of the KV copy
@@ -177,57 +177,10 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     () bool ``flag``) it also writes the burst status after the commit into ``status``, as
     ``reference.burst_status(known, flag)``: the largest unknown count of a row, the rows with one, the flag.
     """
-    if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
-        raise ValueError(f"orders must be a (B, O, R) tensor, got {getattr(orders, 'shape', type(orders))}")
-    B, O, R = orders.shape
-    device = orders.device
-    tokens_shape = (B, O, R) if isinstance(tokens, torch.Tensor) and tokens.ndim == 3 else (B, R)
-    for name, t, shape in (("orders", orders, (B, O, R)), ("choice", choice, (B,)), ("n", n, (B,)),
-                           ("tokens", tokens, tokens_shape), ("last_tok", last_tok, (B,)),
-                           ("last_pos", last_pos, (B,)), ("lens", lens, (B,))):
-        check_int(name, t, shape, device)
-    for name, t in (("orders", orders), ("tokens", tokens), ("last_tok", last_tok), ("last_pos", last_pos),
-                    ("lens", lens)):
-        if t.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64, got {t.dtype}")
-    if not isinstance(canvas, torch.Tensor) or canvas.dtype != torch.int64 or canvas.ndim != 2 \
-            or canvas.shape[0] != B or canvas.device != device:
-        raise ValueError(f"canvas must be an int64 (B={B}, T) tensor on {device}, got {_describe(canvas)}")
-    if not isinstance(known, torch.Tensor) or known.dtype != torch.bool or known.shape != canvas.shape \
-            or known.device != device:
-        raise ValueError(f"known must be a bool tensor of the canvas's shape {tuple(canvas.shape)}, "
-                         f"got {_describe(known)}")
-    if not isinstance(k_cache, torch.Tensor) or k_cache.ndim != 5 or k_cache.shape[1] != B \
-            or k_cache.device != device:
-        raise ValueError(f"k_cache must be an (n_layer, B={B}, H, L + 1, D) tensor on {device}, "
-                         f"got {_describe(k_cache)}")
-    n_layer, _, H, _, D = k_cache.shape
-    if not isinstance(v_cache, torch.Tensor) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype \
-            or v_cache.device != device:
-        raise ValueError(f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}), got "
-                         f"{_describe(v_cache)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache and v_cache must share strides with a unit last one (written in place), got "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
-    want = (n_layer, B, O, H, R, D)
-    for name, t in (("keys", keys), ("values", values)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.is_floating_point() \
-                or t.device != device:
-            raise ValueError(f"{name} must be a float tensor of shape {want} on {device}, got {_describe(t)}")
-    if (flag is None) != (status is None):
-        raise ValueError("flag and status must be given together (the burst status reads the flag)")
-    if status is not None:
-        check_flag(flag, device)
-        if not isinstance(status, torch.Tensor) or status.shape != (3,) or status.dtype != torch.int64 \
-                or status.device != device or not status.is_contiguous():
-            raise ValueError(f"status must be a contiguous (3,) int64 tensor on {device}, got {_describe(status)}")
+    check_commit(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
+                 flag, status)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     torch.ops.sigmafast.commit(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos,
                                k_cache, v_cache, lens, flag, status)
 
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}"

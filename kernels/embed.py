@@ -37,12 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float
-from .layer_norm import MAX_WIDTH, check_norm, config, normalize
+from .checks import FLOAT_DTYPES
+from .layer_norm import MAX_WIDTH, config, normalize
+from .linear_norm import MAX_INNER, blocks, project_rows, rows_per_program
 from .linear_norm import MAX_WIDTH as NEXT_MAX_WIDTH
-from .linear_norm import blocks, check_next, project_rows, rows_per_program
-
-_INT = (torch.int64, torch.int32)
+from .step_checks import check_feed_embedding
 
 
 @triton.jit(do_not_specialize=["N", "G", "S", "s_ob", "s_og", "s_os", "s_tb", "s_tg", "s_ts", "s_wte", "s_pi",
@@ -125,20 +124,6 @@ def launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias,
     return x, h
 
 
-def _check_index(name: str, t, shape: tuple, device) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype not in _INT:
-        raise TypeError(f"{name} must be an int64 or int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-    if tuple(t.shape) != shape or t.device != device:
-        raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(t.shape)} on {t.device}")
-
-
-def _check_table(name: str, t, width: int, dtype, device) -> None:
-    if (not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != width or t.dtype != dtype
-            or t.device != device or t.stride(1) != 1):
-        raise ValueError(f"{name} must be a (rows, {width}) {dtype} tensor on {device} with unit column stride, "
-                         f"got {getattr(t, 'shape', type(t).__name__)}")
-
-
 def feed_embedding(
     last_tok: torch.Tensor,
     last_pos: torch.Tensor,
@@ -168,34 +153,9 @@ def feed_embedding(
     or None), also writes ``F.linear(h, next_weight, next_bias)`` into ``next_out`` ((B, G, S, Q), rows of
     one stride), as ``linear_norm.linear_add_norm`` does for the later blocks.
     """
-    if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
-        raise ValueError(f"orders must be a (B, G, S) tensor, got {getattr(orders, 'shape', type(orders).__name__)}")
-    B, G, S = orders.shape
-    device = orders.device
-    _check_index("orders", orders, (B, G, S), device)
-    if B * G * S >= 2**31:
-        raise ValueError(f"orders must have fewer than 2**31 steps, got {B * G * S}")
-    _check_index("last_tok", last_tok, (B,), device)
-    _check_index("last_pos", last_pos, (B,), device)
-    if tokens is None:
-        if S > 1:
-            raise ValueError(f"tokens may be None only when orders has one step per group, got S = {S}")
-    else:
-        _check_index("tokens", tokens, (B, G, S), device)
-    check_float("wte", wte, 2)
-    C = wte.shape[1]
-    if not 2 <= C <= MAX_WIDTH or C % 2:
-        raise ValueError(f"wte's width must be even and in [2, {MAX_WIDTH}], got {C}")
-    _check_table("wte", wte, C, wte.dtype, device)
-    if (pe_in is None) != (pe_out is None):
-        raise ValueError("pe_in and pe_out must be both tensors or both None")
-    if pe_in is not None:
-        _check_table("pe_in", pe_in, C // 2, wte.dtype, device)
-        _check_table("pe_out", pe_out, C // 2, wte.dtype, device)
-    bias = check_norm(weight, bias, eps, C, device)
-    if next_weight is not None and C > NEXT_MAX_WIDTH:
-        raise ValueError(f"next_weight needs wte's width at most {NEXT_MAX_WIDTH} (whole rows per program), got {C}")
-    check_next(next_weight, next_bias, next_out, (B, G, S), wte)
+    bias = check_feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias, eps,
+                                next_weight, next_bias, next_out, FLOAT_DTYPES, MAX_WIDTH, NEXT_MAX_WIDTH,
+                                MAX_INNER, True)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight,

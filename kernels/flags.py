@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, check_flag
+from .checks import FLOAT_DTYPES
+from .step_checks import check_flag_nonfinite
 
 _SIZES = ["M", "D1", "D2", "N", "s_x0", "s_x1", "s_x2", "s_u0", "s_u1", "s_u2"]
 
@@ -128,23 +129,7 @@ def flag_nonfinite(values: torch.Tensor, used: Optional[torch.Tensor], flag: tor
     flag: () bool. A used row is bad when
     it holds a NaN or +inf, or has no finite entry. ``sigmafast::flag_nonfinite`` op (no host sync).
     """
-    if not isinstance(values, torch.Tensor):
-        raise TypeError(f"values must be a (..., N) torch.Tensor, got {type(values).__name__}")
-    if values.ndim < 1 or values.shape[-1] < 1 or values.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"values must be a (..., N) float32, float16 or bfloat16 tensor with N >= 1, got "
-                         f"{values.dtype} {tuple(values.shape)}")
-    lead = values.shape[:-1]
-    if used is not None:
-        if not isinstance(used, torch.Tensor):
-            raise TypeError(f"used must be None or a torch.Tensor, got {type(used).__name__}")
-        try:
-            fits = torch.broadcast_shapes(used.shape, lead) == lead
-        except RuntimeError:
-            fits = False
-        if used.dtype != torch.bool or not fits or used.device != values.device:
-            raise ValueError(f"used must be None or a bool tensor on {values.device} broadcastable to values' "
-                             f"leading dims {tuple(lead)}, got {used.dtype} {tuple(used.shape)} on {used.device}")
-    check_flag(flag, values.device)
+    check_flag_nonfinite(values, used, flag, FLOAT_DTYPES)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     torch.ops.sigmafast.flag_nonfinite(values, used, flag)

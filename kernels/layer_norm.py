@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float, check_same
+from .checks import FLOAT_DTYPES
+from .step_checks import check_add_layer_norm
 
 MAX_WIDTH = 16384
 
@@ -112,19 +113,6 @@ def launch(x, y, weight, bias, eps):
     return s, h
 
 
-def check_norm(weight, bias, eps, C: int, device) -> Optional[torch.Tensor]:
-    """Validate a LayerNorm's (C,) weight and bias (each may be None) and eps; returns the bias with a
-    unit stride, as the kernels read it."""
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (C,) or not t.is_floating_point()
-                              or t.device != device):
-            raise ValueError(f"{name} must be None or a float ({C},) tensor on {device}, got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
-    return bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-
-
 def add_layer_norm(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -139,14 +127,7 @@ def add_layer_norm(
     ``F.layer_norm(s, (C,), weight, bias, eps)``, both (..., C) in x's dtype, from the
     ``sigmafast::add_layer_norm`` op.
     """
-    if not isinstance(x, torch.Tensor) or x.ndim < 1:
-        raise TypeError(f"x must be a (..., C) tensor, got {type(x).__name__}")
-    check_float("x", x, x.ndim)
-    check_same("y", y, "x", x)
-    C = x.shape[-1]
-    if not 1 <= C <= MAX_WIDTH:
-        raise ValueError(f"x's last dimension must be in [1, {MAX_WIDTH}], got {C}")
-    bias = check_norm(weight, bias, eps, C, x.device)
+    bias = check_add_layer_norm(x, y, weight, bias, eps, FLOAT_DTYPES, MAX_WIDTH)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.add_layer_norm(x, y, weight, bias, float(eps))

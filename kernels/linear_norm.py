@@ -39,11 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FUSED_END_WIDTH, check_float, check_same
-from .layer_norm import check_norm, normalize, residual_rows
+from .checks import FLOAT_DTYPES, FUSED_END_WIDTH
+from .layer_norm import normalize, residual_rows
+from .step_checks import check_linear_add_norm, check_mlp_add_norm
 
 MAX_WIDTH = FUSED_END_WIDTH  # C: whole rows per program (wider models keep cuBLAS and the add + LayerNorm kernel)
 MAX_INNER = 16384  # K and F
+LIMITS = dict(dtypes=FLOAT_DTYPES, max_width=MAX_WIDTH, max_inner=MAX_INNER, unit_stride=True)  # for step_checks
 SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1/sqrt(2), a constexpr: a kernel may read it
 
 
@@ -194,61 +196,6 @@ def mlp_launch(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, no
                    norm_bias, eps, fc_weight.shape[0], next_weight, next_bias, next_out)
 
 
-def _check_linear(prefix: str, weight, bias, shape: tuple, ref: torch.Tensor) -> None:
-    """``{prefix}weight``: contiguous ``shape``, and ``{prefix}bias``: (shape[0],) or None, of ref's dtype and
-    device."""
-    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape or weight.dtype != ref.dtype \
-            or weight.device != ref.device or not weight.is_contiguous():
-        raise ValueError(f"{prefix}weight must be a contiguous {shape} {ref.dtype} tensor on {ref.device}, got "
-                         f"{_describe(weight)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != shape[:1]
-                             or bias.dtype != ref.dtype or bias.device != ref.device or bias.stride(0) != 1):
-        raise ValueError(f"{prefix}bias must be None or a ({shape[0]},) {ref.dtype} tensor on {ref.device} with "
-                         f"unit stride, got {_describe(bias)}")
-
-
-def _describe(t) -> str:
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-def _check_stream(x) -> int:
-    """x (..., C), C <= MAX_WIDTH; returns C."""
-    if not isinstance(x, torch.Tensor) or x.ndim < 1:
-        raise TypeError(f"x must be a (..., C) tensor, got {type(x).__name__}")
-    check_float("x", x, x.ndim)
-    if not 1 <= x.shape[-1] <= MAX_WIDTH:
-        raise ValueError(f"x's last dimension must be in [1, {MAX_WIDTH}] (whole rows per program), got "
-                         f"{x.shape[-1]}")
-    return x.shape[-1]
-
-
-def check_next(next_weight, next_bias, next_out, lead: tuple, ref: torch.Tensor) -> None:
-    """The optional next projection of rows as wide as ``ref``'s last dimension C, of its dtype and device:
-    a contiguous (Q, C) weight, a (Q,) bias or None, and a (*lead, Q) output whose rows are one strided
-    (N, Q) view; all three None without one."""
-    if next_weight is None:
-        if next_bias is not None or next_out is not None:
-            raise ValueError("next_bias and next_out need a next_weight")
-        return
-    C = ref.shape[-1]
-    if not isinstance(next_weight, torch.Tensor) or next_weight.ndim != 2 \
-            or not 1 <= next_weight.shape[0] <= MAX_INNER:
-        raise ValueError(f"next_weight must be a (Q, {C}) tensor with Q in [1, {MAX_INNER}], got "
-                         f"{_describe(next_weight)}")
-    Q = next_weight.shape[0]
-    _check_linear("next_", next_weight, next_bias, (Q, C), ref)
-    want = (*lead, Q)
-    if not isinstance(next_out, torch.Tensor) or tuple(next_out.shape) != want or next_out.dtype != ref.dtype \
-            or next_out.device != ref.device or (next_out.numel() and next_out.stride(-1) != 1):
-        raise ValueError(f"next_out must be a {want} {ref.dtype} tensor on {ref.device} with unit inner stride, "
-                         f"got {_describe(next_out)}")
-    try:
-        next_out.view(-1, Q)
-    except RuntimeError:
-        raise ValueError(f"next_out's rows must be one strided (N, {Q}) view, got strides "
-                         f"{next_out.stride()}") from None
-
-
 def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *, next_weight=None,
                     next_bias=None, next_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum ``s = x + F.linear(y, weight, bias)`` and ``F.layer_norm(s, (C,), norm_weight,
@@ -261,14 +208,8 @@ def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, e
     projection) and ``next_bias`` ((Q,) or None), also writes ``F.linear(LayerNorm(s), next_weight,
     next_bias)`` into ``next_out`` ((..., Q), rows of one stride).
     """
-    C = _check_stream(x)
-    if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1] or y.dtype != x.dtype \
-            or y.device != x.device or not 1 <= y.shape[-1] <= MAX_INNER:
-        raise ValueError(f"y must be a {(*x.shape[:-1], 'K')} {x.dtype} tensor on {x.device} with K in "
-                         f"[1, {MAX_INNER}], got {_describe(y)}")
-    _check_linear("", weight, bias, (C, y.shape[-1]), x)
-    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
-    check_next(next_weight, next_bias, next_out, x.shape[:-1], x)
+    norm_bias = check_linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, next_weight, next_bias,
+                                      next_out, **LIMITS)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, float(eps), next_weight,
@@ -285,18 +226,8 @@ def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=N
     norm_weight, norm_bias and the optional next projection as in :func:`linear_add_norm`. Returns s and
     its LayerNorm, (..., C) each in x's dtype, from the ``sigmafast::mlp_add_norm`` op.
     """
-    C = _check_stream(x)
-    check_same("h", h, "x", x)
-    if not isinstance(fc_weight, torch.Tensor) or fc_weight.ndim != 2 or not 1 <= fc_weight.shape[0] <= MAX_INNER:
-        raise ValueError(f"fc_weight must be an (F, {C}) tensor with F in [1, {MAX_INNER}], got "
-                         f"{tuple(getattr(fc_weight, 'shape', ()))}")
-    F = fc_weight.shape[0]
-    _check_linear("fc_", fc_weight, fc_bias, (F, C), x)
-    _check_linear("proj_", proj_weight, proj_bias, (C, F), x)
-    if (fc_bias is None) != (proj_bias is None):
-        raise ValueError("fc_bias and proj_bias must be both given or both None")
-    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
-    check_next(next_weight, next_bias, next_out, x.shape[:-1], x)
+    norm_bias = check_mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps,
+                                   next_weight, next_bias, next_out, **LIMITS)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight,

@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import FLOAT_DTYPES
+from .step_checks import check_rotary
+
 BLOCK_N = 16  # rows (tokens) per program
 
 _STRIDES = [f"s_{t}{d}" for t in "qkv" for d in "bht"] + [f"s_{t}{d}" for t in "pr" for d in "bt"]
@@ -129,35 +132,7 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
     leading dims do not collapse into one stride is rotated out of place and copied back.
     ``sigmafast::rotary_`` op (no host sync).
     """
-    from .checks import FLOAT_DTYPES
-
-    if not isinstance(q, torch.Tensor) or q.ndim < 3 or q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"q must be a (..., H, T, D) float32, float16 or bfloat16 tensor, got "
-                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
-    D = q.shape[-1]
-    if D % 2:
-        raise ValueError(f"q's head dim must be even, got {D}")
-    for name, t in (("k", k), ("v", v)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype
-                              or t.device != q.device):
-            raise ValueError(f"{name} must be None or a tensor like q ({q.dtype} {tuple(q.shape)} on {q.device}), "
-                             f"got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-    lead = (*q.shape[:-3], q.shape[-2])
-    for name, p in (("pos_q", pos_q), ("pos_k", pos_k)):
-        if p is None and name == "pos_k" and k is None and v is None:
-            continue
-        if not isinstance(p, torch.Tensor) or p.dtype not in (torch.int32, torch.int64) \
-                or tuple(p.shape) != lead or p.device != q.device:
-            raise ValueError(f"{name} must be an int32/int64 tensor of shape {lead} on {q.device}, got "
-                             f"{getattr(p, 'dtype', type(p).__name__)} {tuple(getattr(p, 'shape', ()))}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 2 or t.shape[1] != D // 2 or t.stride(1) != 1 \
-                or not t.is_floating_point() or t.device != q.device:
-            raise ValueError(f"{name} must be a float (n_pos, D / 2 = {D // 2}) tensor with unit inner stride on "
-                             f"{q.device}, got {getattr(t, 'dtype', type(t).__name__)} "
-                             f"{tuple(getattr(t, 'shape', ()))}")
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin must have the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    check_rotary(q, k, v, pos_q, pos_k, cos, sin, FLOAT_DTYPES)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     torch.ops.sigmafast.rotary_(q, k, v, pos_q, pos_k, cos, sin, float(sign))
