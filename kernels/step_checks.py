@@ -44,6 +44,17 @@ def _check_width(name: str, C: int, max_width: Optional[int], why: str = "") -> 
         raise ValueError(f"{name} must be in {bound}{why}, got {C}")
 
 
+def _check_rows(name: str, weight, C: int, letter: str, max_inner: Optional[int]) -> int:
+    """A 2-D ``weight`` of 1 to ``max_inner`` (when given) rows; returns the row count. Its columns, dtype,
+    device and strides are :func:`check_linear`'s."""
+    top = max_inner if max_inner is not None else float("inf")
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not 1 <= weight.shape[0] <= top:
+        bound = f" with {letter} in [1, {max_inner}]" if max_inner is not None else ""
+        article = "an" if letter in "AEFHILMNORSX" else "a"  # as the letter is read: "an (F, C)", "a (Q, C)"
+        raise ValueError(f"{name} must be {article} ({letter}, {C}) tensor{bound}, got {describe(weight)}")
+    return weight.shape[0]
+
+
 def check_stream(x, dtypes: tuple, max_width: Optional[int]) -> int:
     """The residual stream x (..., C) with C <= max_width; returns C."""
     if not isinstance(x, torch.Tensor) or x.ndim < 1:
@@ -79,11 +90,7 @@ def check_next(next_weight, next_bias, next_out, lead: tuple, ref: torch.Tensor,
             raise ValueError("next_bias and next_out need a next_weight")
         return
     C = ref.shape[-1]
-    top = max_inner if max_inner is not None else float("inf")
-    if not isinstance(next_weight, torch.Tensor) or next_weight.ndim != 2 or not 1 <= next_weight.shape[0] <= top:
-        bound = f" with Q in [1, {max_inner}]" if max_inner is not None else ""
-        raise ValueError(f"next_weight must be a (Q, {C}) tensor{bound}, got {describe(next_weight)}")
-    Q = next_weight.shape[0]
+    Q = _check_rows("next_weight", next_weight, C, "Q", max_inner)
     check_linear("next_", next_weight, next_bias, (Q, C), ref, unit_stride)
     want = (*lead, Q)
     if not isinstance(next_out, torch.Tensor) or tuple(next_out.shape) != want or next_out.dtype != ref.dtype \
@@ -133,11 +140,7 @@ def check_mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_we
     """The arguments of ``mlp_add_norm``; returns the norm's bias as :func:`check_norm`."""
     C = check_stream(x, dtypes, max_width)
     check_same("h", h, "x", x)
-    top = max_inner if max_inner is not None else float("inf")
-    if not isinstance(fc_weight, torch.Tensor) or fc_weight.ndim != 2 or not 1 <= fc_weight.shape[0] <= top:
-        bound = f" with F in [1, {max_inner}]" if max_inner is not None else ""
-        raise ValueError(f"fc_weight must be an (F, {C}) tensor{bound}, got {describe(fc_weight)}")
-    F = fc_weight.shape[0]
+    F = _check_rows("fc_weight", fc_weight, C, "F", max_inner)
     check_linear("fc_", fc_weight, fc_bias, (F, C), x, unit_stride)
     check_linear("proj_", proj_weight, proj_bias, (C, F), x, unit_stride)
     if (fc_bias is None) != (proj_bias is None):
