@@ -49,8 +49,10 @@ def launch(steps: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 def plan_step(steps: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Column ``step`` of every row's plan, and the step advanced, in place.
 
-    steps: (W, B, T) int64 (T >= 1); step: () int64. Returns now (W, B) int64, ``steps[:, :, step]``, and
-    adds 1 to ``step``; from the ``sigmafast::plan_step`` op (no host sync).
+    steps: (W, B, T) int64 (T >= 1); step: () int64 in [0, T), the caller's contract: its value is not read
+    on the host (no sync), and out of range the reference raises an index error while the kernel reads
+    outside the plan. Returns now (W, B) int64, ``steps[:, :, step]``, and adds 1 to ``step``; from the
+    ``sigmafast::plan_step`` op.
     """
     check_plan_step(steps, step)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)

@@ -107,6 +107,9 @@ def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor,
     logits: (N, V); uniforms: (N,) in [0, 1). Returns tokens (N,) int64 and
     their log-probabilities (N,) under the processed distribution, in float32
     for 16-bit logits (computed from their float32 values), else the logits' dtype.
+    A row that is not finite (a NaN or +inf, or no finite entry) has no
+    distribution: its token is unspecified (the backends may differ) and its
+    log-prob NaN; ``kernels.sample(..., flag=)`` reports such rows.
     """
     logits = upcast(logits)
     if temperature == 0:
