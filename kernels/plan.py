@@ -8,8 +8,8 @@ add: two kernels per token. ``_plan_step_kernel``, one program, does both: an
 atomic add advances the counter and returns the step it reads, then the
 program copies column s of every row (W·B values).
 
-Reading a step past the plan (s >= T, which the sampler never does) gives
-zeros instead of an index error. Compiles once: the sizes and strides are in
+Reading a step outside the plan (s < 0 or s >= T, which the sampler never
+does) gives zeros instead of an index error. Compiles once: the sizes and strides are in
 ``do_not_specialize``.
 """
 
@@ -27,7 +27,7 @@ BLOCK = 256  # values copied per loop step
 @triton.jit(do_not_specialize=["WB", "B", "T", "s_w", "s_b"])
 def _plan_step_kernel(STEPS, STEP, NOW, WB, B, T, s_w, s_b, TILE: tl.constexpr):
     s = tl.atomic_add(STEP, 1).to(tl.int64)  # the old value: the step this token reads
-    n_read = tl.where(s < T, WB, 0)  # nothing read past the plan
+    n_read = tl.where((s >= 0) & (s < T), WB, 0)  # nothing read outside the plan
     o = tl.arange(0, TILE)
     for i0 in range(0, WB, TILE):
         o_i = (i0 + o).to(tl.int64)
@@ -50,8 +50,8 @@ def plan_step(steps: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Column ``step`` of every row's plan, and the step advanced, in place.
 
     steps: (W, B, T) int64 (T >= 1); step: () int64 in [0, T), the caller's contract: its value is not read
-    on the host (no sync), and out of range the reference raises an index error while the kernel reads
-    outside the plan. Returns now (W, B) int64, ``steps[:, :, step]``, and adds 1 to ``step``; from the
+    on the host (no sync), and out of range the reference raises an index error while the kernel returns
+    zeros. Returns now (W, B) int64, ``steps[:, :, step]``, and adds 1 to ``step``; from the
     ``sigmafast::plan_step`` op.
     """
     check_plan_step(steps, step)

@@ -43,7 +43,8 @@ def _plan(case, seed):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_plan_step_matches_reference(case, poisoned_empty):
-    """Every step of the plan in turn, then one past it (zeros, where the reference's gather would fail)."""
+    """Every step of the plan in turn, then one past it and one before it (zeros, where the reference's gather
+    would fail)."""
     W, B, T, _ = case
     table = _plan(case, 0)
     step = torch.zeros((), dtype=torch.long, device=DEVICE)
@@ -56,6 +57,9 @@ def test_plan_step_matches_reference(case, poisoned_empty):
         assert step.item() == want_step.item() == s + 1
     assert torch.equal(plan.plan_step(table, step).cpu(), torch.zeros(W, B, dtype=torch.long))
     assert step.item() == T + 1
+    step.fill_(-1)  # before the plan: zeros too, not the memory before it
+    assert torch.equal(plan.plan_step(table, step).cpu(), torch.zeros(W, B, dtype=torch.long))
+    assert step.item() == 0
 
 
 @pytest.mark.parametrize("bad,err,match", [
