@@ -13,12 +13,21 @@ import torch
 ORDER_NAMES = ("left-to-right", "random", "fractal", "curriculum")
 
 
+def _check_size(name: str, n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+
+
 def _check_sizes(batch_size, seq_len) -> None:
-    for name, n in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-        if n < 0:
-            raise ValueError(f"{name} must be >= 0, got {n}")
+    _check_size("batch_size", batch_size)
+    _check_size("seq_len", seq_len)
+
+
+def _check_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
 def left_to_right(batch_size: int, seq_len: int, device=None) -> torch.Tensor:
@@ -32,6 +41,7 @@ def random(
 ) -> torch.Tensor:
     """(B, T) independent uniformly random permutations."""
     _check_sizes(batch_size, seq_len)
+    _check_generator(generator)
     dev = generator.device if generator is not None else device
     keys = torch.rand(batch_size, seq_len, generator=generator, device=dev)
     return keys.argsort(dim=-1).to(device if device is not None else dev)
@@ -43,6 +53,7 @@ def fractal_order(seq_len: int) -> list[int]:
     Visit the middle ``(lo + hi) // 2`` of ``[0, T)``, then the middles of the
     left and right halves, level by level, left before right.
     """
+    _check_size("seq_len", seq_len)
     out: list[int] = []
     level = [(0, seq_len)]
     while level:
@@ -71,6 +82,7 @@ def known_first(known: torch.Tensor, generator: Optional[torch.Generator] = None
     """
     if not isinstance(known, torch.Tensor) or known.dtype != torch.bool or known.dim() != 2:
         raise ValueError("known must be a (B, T) bool tensor")
+    _check_generator(generator)
     dev = generator.device if generator is not None else known.device
     keys = torch.rand(known.shape, generator=generator, device=dev).to(known.device)
     keys = keys + (~known).to(keys.dtype)  # known in [0, 1), unknown in [1, 2)
@@ -111,6 +123,7 @@ def make_orders(
     fraction: float = 0.0,
 ) -> torch.Tensor:
     """Orders by name, one of :data:`ORDER_NAMES`; ``fraction`` is the curriculum's l2r share."""
+    _check_generator(generator)
     if name == "left-to-right":
         return left_to_right(batch_size, seq_len, device=device)
     if name == "random":
@@ -128,17 +141,33 @@ def shuffle(
     """(B, T) natural-order tokens and an order -> model inputs.
 
     Returns ``tokens [BOS, x_σ1 … x_σ(T-1)]``, ``in_pos [START, σ1 … σ(T-1)]``,
-    ``out_pos [σ1 … σT]`` and ``targets [x_σ1 … x_σT]``, each (B, T).
+    ``out_pos [σ1 … σT]`` and ``targets [x_σ1 … x_σT]``, each (B, T): all four
+    are (B, 0) when T = 0 (nothing to predict, so no BOS input either).
+    ``x`` is an integer tensor of token ids and ``order`` (B, T) int64 with
+    permutation rows (not checked: that would read the device).
     """
-    if x.shape != order.shape or x.dim() != 2:
-        raise ValueError(f"x and order must both be (B, T), got {tuple(x.shape)} and {tuple(order.shape)}")
-    B = x.shape[0]
+    _check_shuffle_inputs(x, order)
+    _check_size("bos", bos)
+    _check_size("start_pos", start_pos)
+    B, T = x.shape
     targets = x.gather(1, order)  # (B, T)
-    first_tok = torch.full((B, 1), bos, dtype=x.dtype, device=x.device)
-    first_pos = torch.full((B, 1), start_pos, dtype=order.dtype, device=order.device)
+    first = min(T, 1)  # the BOS input, none when there is nothing to predict
+    first_tok = torch.full((B, first), bos, dtype=x.dtype, device=x.device)
+    first_pos = torch.full((B, first), start_pos, dtype=order.dtype, device=order.device)
     tokens = torch.cat([first_tok, targets[:, :-1]], dim=1)
     in_pos = torch.cat([first_pos, order[:, :-1]], dim=1)
     return tokens, in_pos, order, targets
+
+
+def _check_shuffle_inputs(x, order) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(order, torch.Tensor):
+        raise TypeError(f"x and order must be torch.Tensors, got {type(x).__name__} and {type(order).__name__}")
+    if x.dim() != 2 or x.shape != order.shape:
+        raise ValueError(f"x and order must both be (B, T), got {tuple(x.shape)} and {tuple(order.shape)}")
+    if order.dtype != torch.int64:
+        raise ValueError(f"order must be a (B, T) int64 tensor, got {order.dtype}")
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"x must be an integer tensor of token ids, got {x.dtype}")
 
 
 def unshuffle(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -209,6 +209,9 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         if strategy != "autoregressive":
             raise ValueError("an order tensor is only used with strategy='autoregressive'")
         order = check_order_tensor(order.to(device), canvas.shape)
+    elif not isinstance(order, str):
+        raise TypeError(f"order must be one of {AR_ORDERS} or a (B, T) integer torch.Tensor of permutations, "
+                        f"got {type(order).__name__}")
     elif order not in AR_ORDERS:
         raise ValueError(f"order must be one of {AR_ORDERS} or a (B, T) tensor, got {order!r}")
     elif strategy == "burst" and order != "random":

@@ -117,6 +117,22 @@ class _Graphs:
         return out
 
 
+def _check_model(model) -> None:
+    if not is_sigma_gpt(model) or getattr(model, "objective", "sigma") != "sigma":
+        raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
+
+
+def _check_compile_steps(compile_steps) -> None:
+    if compile_steps is None:
+        return
+    if not isinstance(compile_steps, str):
+        raise TypeError(f"compile_steps must be None or a torch.compile backend name, got {compile_steps!r}")
+    backends = torch.compiler.list_backends(exclude_tags=())
+    if compile_steps not in backends:
+        raise ValueError(f"compile_steps must be None or a torch.compile backend name, one of {backends}, "
+                         f"got {compile_steps!r}")
+
+
 class Engine(EagerRunner):
     """Bucketed static shapes, reusable sessions and CUDA-graph replay for one :class:`SigmaGPT`.
 
@@ -145,8 +161,7 @@ class Engine(EagerRunner):
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
                  compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = True,
                  fused_ends: bool = True) -> None:
-        if not is_sigma_gpt(model) or getattr(model, "objective", "sigma") != "sigma":
-            raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
+        _check_model(model)
         for name, flag in (("buckets", buckets), ("cuda_graphs", cuda_graphs)):
             if flag is not None and not isinstance(flag, bool):
                 raise TypeError(f"{name} must be None or a bool, got {type(flag).__name__}")
@@ -156,8 +171,7 @@ class Engine(EagerRunner):
         self.cuda_graphs = (on_cuda and self.buckets) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not (on_cuda and self.buckets):
             raise ValueError("cuda_graphs=True needs a model on a CUDA device and buckets=True")
-        if compile_steps is not None and not isinstance(compile_steps, str):
-            raise TypeError(f"compile_steps must be None or a torch.compile backend name, got {compile_steps!r}")
+        _check_compile_steps(compile_steps)
         self.compile_steps = compile_steps
         self._burst_step, self._ar_step = steps.burst_step, steps.ar_step
         if compile_steps is not None:  # fuse the step's small ops (then captured as usual)
@@ -181,6 +195,7 @@ class Engine(EagerRunner):
     def for_model(cls, model) -> "Engine":
         """The engine ``generate`` uses for ``model``: kept with the model while graphs are worth keeping
         (on CUDA), a fresh one otherwise."""
+        _check_model(model)  # before the lookup: the cache only takes models it can hold weak references to
         engine = cls._by_model.get(model)
         if engine is None:
             engine = cls(model)

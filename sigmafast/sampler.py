@@ -48,7 +48,9 @@ Known tokens are fed first in ascending position order. The autoregressive
 strategy then visits the unknown positions in the order's relative order
 (``"random"``: by increasing key). Sampling is by inverse CDF
 (:func:`sigmafast.kernels.sample`); temperature and top-k apply identically to
-drafts and verifier; ``temperature=0`` is greedy.
+drafts and verifier; ``temperature=0`` is greedy: every committed token is the
+argmax of its conditional. The orders stay random, so the output is
+deterministic for a fixed generator (burst, ``order="random"``) or a fixed order.
 
 Acceptance rules: ``"lossless"``, the default (one order, speculative
 sampling with a residual draw at the first rejection: exactly the model's

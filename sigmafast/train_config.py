@@ -83,6 +83,7 @@ def _field(default, help_text: str, choices: Optional[tuple] = None):
 
 
 _PRESET = " (default: the preset's)"
+_RECIPE = " (default: the task recipe's, else the preset's)"  # the fields a task recipe may set (TASK_RECIPES)
 
 
 def _record_explicit(cls):
@@ -104,20 +105,25 @@ def _record_explicit(cls):
 class TrainConfig:
     task: str = _field("permutation", "task", TASK_NAMES)
     preset: Optional[str] = _field(
-        None, "model preset: architecture and training recipe (default: gpt2 for owt/wikitext103, else tiny)",
+        None, "model preset: architecture and training recipe (default: the task recipe's, else gpt2 for "
+        "owt/wikitext103 and tiny for the others)",
         tuple(PRESETS),
     )
-    n_layer: Optional[int] = _field(None, "layers" + _PRESET)
-    n_head: Optional[int] = _field(None, "attention heads" + _PRESET)
-    n_embd: Optional[int] = _field(None, "model width" + _PRESET)
-    mlp_ratio: Optional[int] = _field(None, "MLP hidden width / model width, 0 for attention-only blocks (default: 4)")
+    n_layer: Optional[int] = _field(None, "layers" + _RECIPE)
+    n_head: Optional[int] = _field(None, "attention heads" + _RECIPE)
+    n_embd: Optional[int] = _field(None, "model width" + _RECIPE)
+    mlp_ratio: Optional[int] = _field(None, "MLP hidden width / model width, 0 for attention-only blocks "
+                                         "(default: the task recipe's, else 4)")
     block_size: Optional[int] = _field(None, "context length (default: the task's seq_len)")
     dropout: Optional[float] = _field(None, "dropout (default: 0)")
-    bias: Optional[bool] = _field(None, "biases in Linear/LayerNorm (default: on)")
-    pos_encoding: Optional[str] = _field(None, "positional encoding (default: sinusoidal)", POS_ENCODINGS)
-    embedding_init: Optional[str] = _field(None, "token embedding init (default: normal)", EMBEDDING_INITS)
+    bias: Optional[bool] = _field(None, "biases in Linear/LayerNorm (default: the task recipe's, else on)")
+    pos_encoding: Optional[str] = _field(
+        None, "positional encoding (default: the task recipe's, else sinusoidal)", POS_ENCODINGS)
+    embedding_init: Optional[str] = _field(
+        None, "token embedding init (default: the task recipe's, else normal)", EMBEDDING_INITS)
     final_norm: Optional[str] = _field(
-        None, "final LayerNorm: per-channel gain and bias, or one scalar gain (default: layernorm)", FINAL_NORMS
+        None, "final LayerNorm: per-channel gain and bias, or one scalar gain (default: the task recipe's, else "
+        "layernorm)", FINAL_NORMS
     )
     seq_len: Optional[int] = _field(None, "sequence length of the 1-D and text tasks (default: the task's)")
     text: Optional[str] = _field(None, "UTF-8 text file, required by --task char (default: none)")
@@ -125,18 +131,21 @@ class TrainConfig:
     csv: Optional[str] = _field(None, "CSV file with a header row, required by --task series (default: none)")
     column: Optional[str] = _field(None, "numeric column of --csv, required by --task series (default: none)")
     out_dir: str = _field("out", "where ckpt.pt is written")
-    max_iters: Optional[int] = _field(None, "optimiser steps" + _PRESET)
-    batch_size: Optional[int] = _field(None, "sequences per micro-step and rank" + _PRESET)
+    max_iters: Optional[int] = _field(None, "optimiser steps" + _RECIPE)
+    batch_size: Optional[int] = _field(None, "sequences per micro-step and rank" + _RECIPE)
     grad_accum: Optional[int] = _field(None, "micro-steps per optimiser step, over all ranks" + _PRESET)
-    lr: Optional[float] = _field(None, "peak learning rate" + _PRESET)
-    min_lr: Optional[float] = _field(None, "final learning rate (default: the preset's; lr/10 with --lr)")
-    warmup_iters: Optional[int] = _field(None, "linear warm-up steps" + _PRESET)
+    lr: Optional[float] = _field(None, "peak learning rate" + _RECIPE)
+    min_lr: Optional[float] = _field(
+        None, "final learning rate (default: the task recipe's, else the preset's; lr/10 with --lr)")
+    warmup_iters: Optional[int] = _field(None, "linear warm-up steps" + _RECIPE)
     lr_decay_iters: Optional[int] = _field(None, "cosine decay length (default: max_iters)")
-    weight_decay: Optional[float] = _field(None, "AdamW weight decay on >=2-D weights" + _PRESET)
+    weight_decay: Optional[float] = _field(None, "AdamW weight decay on >=2-D weights" + _RECIPE)
     embedding_lr_scale: Optional[float] = _field(
-        None, "learning-rate multiplier of the token embedding, tied to the LM head (default: 1)")
+        None, "learning-rate multiplier of the token embedding, tied to the LM head (default: the task "
+        "recipe's, else 1)")
     final_norm_lr_scale: Optional[float] = _field(
-        None, "learning-rate multiplier of the final LayerNorm, which sets the logits' scale (default: 1)")
+        None, "learning-rate multiplier of the final LayerNorm, which sets the logits' scale (default: the "
+        "task recipe's, else 1)")
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: Optional[float] = _field(None, "AdamW beta2" + _PRESET)
     grad_clip: float = _field(1.0, "gradient norm clip (0 disables)")
@@ -153,7 +162,7 @@ class TrainConfig:
         None, "objective sigma: weight of each step's cross-entropy, uniform or visited (proportional to the "
         "tokens visited before it, mean 1); every conditional keeps its optimum (default: the task recipe's, "
         "else uniform)", LOSS_WEIGHTINGS)
-    eval_interval: Optional[int] = _field(None, "steps between evaluations" + _PRESET)
+    eval_interval: Optional[int] = _field(None, "steps between evaluations" + _RECIPE)
     eval_iters: Optional[int] = _field(None, "validation batches per evaluation" + _PRESET)
     log_interval: int = _field(10, "steps between log lines")
     num_eval_samples: Optional[int] = _field(None, "sequences sampled for the validity metric, 0 disables" + _PRESET)

@@ -238,6 +238,11 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(DiffusionGPT(model.config, DiffusionConfig(noise="absorbing")))
     with pytest.raises(TypeError, match="compile_steps must be None or a torch.compile backend name"):
         sigmafast.Engine(model, compile_steps=True)
+    with pytest.raises(ValueError, match=r"compile_steps must be None or a torch.compile backend name, one of "
+                                         r"\[.*'inductor'.*\], got 'bogus'"):
+        sigmafast.Engine(model, compile_steps="bogus")
+    with pytest.raises(TypeError, match="model must be a SigmaGPT, got str"):  # before the engine cache's lookup
+        sigmafast.warmup("x", 2, T)
     with pytest.raises(ValueError, match="max_sessions must be an int >= 1"):
         sigmafast.Engine(model, max_sessions=0)
     with pytest.raises(TypeError, match="lookahead must be a bool"):

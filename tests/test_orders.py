@@ -124,6 +124,13 @@ def test_shuffle_unshuffle_round_trip():
     assert torch.equal(orders.unshuffle(shuffled, order), feats)
 
 
+def test_shuffle_of_the_empty_sequence_is_empty():
+    """T = 0: nothing to predict, so no BOS input either; the four tensors are (B, T) as documented."""
+    empty = torch.zeros(3, 0, dtype=torch.long)
+    assert [tuple(t.shape) for t in orders.shuffle(empty, empty, 4, 8)] == [(3, 0)] * 4
+    assert orders.fractal_order(0) == [] and orders.fractal(2, 0).shape == (2, 0)
+
+
 def test_shuffle_shape_mismatch():
     with pytest.raises(ValueError, match="x and order"):
         orders.shuffle(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), 0, 4)
@@ -139,8 +146,29 @@ def test_shuffle_shape_mismatch():
     (lambda: orders.unshuffle(torch.zeros(2, 5), torch.arange(5.0).expand(2, 5)), ValueError, "int64"),
     (lambda: orders.unshuffle(torch.zeros(5), torch.arange(5)), ValueError, "order must be a"),
     (lambda: orders.unshuffle([0.0] * 5, torch.arange(5)[None]), TypeError, "values and order must be"),
+    (lambda: orders.shuffle(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), 4, 8), ValueError, "int64"),
+    (lambda: orders.shuffle([[0]], [[0]], 4, 8), TypeError, "x and order must be torch.Tensors"),
+    (lambda: orders.shuffle(torch.zeros(1, 3), torch.arange(3)[None], 4, 8), TypeError,
+     "x must be an integer tensor"),
+    (lambda: orders.shuffle(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], 4.5, 8), TypeError,
+     "bos must be an int"),
+    (lambda: orders.shuffle(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], 4, -1), ValueError,
+     "start_pos must be >= 0"),
+    (lambda: orders.fractal_order(5.0), TypeError, "seq_len must be an int, got float"),
+    (lambda: orders.fractal_order(-3), ValueError, "seq_len must be >= 0"),
+    (lambda: orders.fractal_order("a"), TypeError, "seq_len must be an int, got str"),
+    (lambda: orders.random(2, 3, generator=1), TypeError, "generator must be a torch.Generator or None, got int"),
+    (lambda: orders.known_first(torch.ones(2, 3, dtype=torch.bool), generator=1), TypeError,
+     "generator must be a torch.Generator or None"),
+    (lambda: orders.curriculum(2, 3, 0.5, generator=1), TypeError, "generator must be a torch.Generator or None"),
+    (lambda: orders.make_orders("fractal", 2, 3, generator=1), TypeError,
+     "generator must be a torch.Generator or None"),
 ], ids=["l2r-float-batch", "random-negative-length", "fractal-bool-batch", "curriculum-over-1",
-        "curriculum-negative", "unshuffle-shape", "unshuffle-float-order", "unshuffle-1d", "unshuffle-list"])
+        "curriculum-negative", "unshuffle-shape", "unshuffle-float-order", "unshuffle-1d", "unshuffle-list",
+        "shuffle-float-order", "shuffle-lists", "shuffle-float-tokens", "shuffle-float-bos",
+        "shuffle-negative-start", "fractal-order-float", "fractal-order-negative", "fractal-order-str",
+        "random-int-generator", "known-first-int-generator", "curriculum-int-generator",
+        "make-orders-int-generator"])
 def test_orders_reject_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny_model
@@ -205,6 +206,9 @@ BAD = [
     pytest.param(dict(strategy="autoregressive", order="spiral"), ValueError, "order", id="unknown-order"),
     pytest.param(dict(strategy="autoregressive", order=torch.zeros(1, 4, dtype=torch.long)), ValueError,
                  "permutation", id="order-not-a-permutation"),
+    pytest.param(dict(strategy="autoregressive", order=np.arange(4)), TypeError,
+                 r"order must be one of .* or a \(B, T\) integer torch.Tensor of permutations, got ndarray",
+                 id="numpy-order"),
     pytest.param(dict(order="left-to-right"), ValueError, "autoregressive", id="burst-with-order"),
     pytest.param(dict(generator=0), TypeError, "generator", id="bad-generator"),
     pytest.param(dict(on_iteration="print"), TypeError, "on_iteration", id="on-iteration-not-callable"),

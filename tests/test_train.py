@@ -371,6 +371,15 @@ def test_script_flags_mirror_config(tmp_path):
     assert TrainConfig(**vars(parser.parse_args([]))) == TrainConfig()
 
 
+def test_script_help_names_the_task_recipe_defaults():
+    """A flag whose default a task recipe may set says so, as --order does (--task step trains rope-v)."""
+    helps = {action.dest: action.help for action in load_script().build_parser()._actions}
+    recipe_fields = {name for recipe in train_config.TASK_RECIPES.values() for name in recipe}
+    assert "pos_encoding" in recipe_fields
+    for name in sorted(recipe_fields):
+        assert "(default: the task recipe's, else " in helps[name], (name, helps[name])
+
+
 def test_script_sigint_saves_checkpoint_and_exits(tmp_path, monkeypatch, capsys):
     real_get_batch = train_mod.get_batch
 
