@@ -267,7 +267,7 @@ def test_fused_lm_head_tiles(temperature, poisoned_empty):
         (lambda x, u: sample(x[0], u), "logits must have 2 dimensions"),
         (lambda x, u: sample(x, u[:2]), r"uniforms must have shape \(4,\)"),
         (lambda x, u: sample(x.long(), u), "logits must be float32"),
-        (lambda x, u: residual_sample(x, x[:, :3], u), "p_logits must have q_logits' shape"),
+        (lambda x, u: residual_sample(x, x[:, :3], u), r"p_logits must have the shape of q_logits \(4, 10\)"),
         (
             lambda x, u: acceptance(x[None, None], x.argmax(-1)[None, None], u[None, None], u[None, None],
                                     torch.tensor([4]), rule="greedy"),
