@@ -1,7 +1,8 @@
 """Train a σ-GPT: ``python scripts/train.py --task permutation --preset tiny --max-iters 300``.
 
 Every flag is a field of :class:`sigmafast.train.TrainConfig` (``--max-iters`` is
-``max_iters``); with ``--resume`` every flag left out takes the checkpoint's value. Under
+``max_iters``); with ``--resume`` every flag left out takes the checkpoint's value. Without it, an
+``--out-dir`` that holds a checkpoint is an error (``--overwrite`` starts a new run there). Under
 ``torchrun --nproc_per_node=N`` the same command trains with DistributedDataParallel.
 """
 

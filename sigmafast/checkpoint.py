@@ -27,8 +27,35 @@ def checkpoint_path(out_dir) -> Path:
     return Path(out_dir) / CKPT_NAME
 
 
+def _tmp_pattern(name: str) -> re.Pattern:
+    """The names of :func:`atomic_save`'s temporary files for ``name``: ``.<name>.<pid>.<8 hex>.tmp``."""
+    return re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, but another user's
+        return True
+    return True
+
+
+def remove_stale_tmp(path: Path) -> None:
+    """Remove the temporary files of :func:`atomic_save` for ``path`` that a killed process left behind (those
+    whose process is gone from this host); never another file."""
+    pattern = _tmp_pattern(path.name)
+    for entry in path.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+            with suppress(OSError):
+                entry.unlink()
+
+
 def atomic_save(obj, path) -> Path:
-    """``torch.save`` to a temporary file in the same folder, then ``os.replace`` it over ``path``."""
+    """``torch.save`` to a temporary file in the same folder, then ``os.replace`` it over ``path``; after a
+    successful save, the temporary files of killed saves to ``path`` are removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -42,6 +69,8 @@ def atomic_save(obj, path) -> Path:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    with suppress(OSError):  # the checkpoint is written: failing to tidy up must not fail the save
+        remove_stale_tmp(path)
     return path
 
 
@@ -144,6 +173,15 @@ def read_resumed(cfg: TrainConfig) -> dict:
     return ckpt
 
 
+def check_new_run(cfg: TrainConfig) -> None:
+    """A ``ValueError`` when a run without ``--resume`` would replace the checkpoint in ``cfg.out_dir``
+    (unless ``cfg.overwrite``)."""
+    path = checkpoint_path(cfg.out_dir)
+    if not cfg.resume and not cfg.overwrite and path.exists():
+        raise ValueError(f"--out-dir {cfg.out_dir!r} already holds a checkpoint ({path}): pass --resume to continue "
+                         "its run, --overwrite to start a new run over it, or another --out-dir")
+
+
 def task_record(task, kwargs: dict) -> dict:
     """What identifies a task in a checkpoint: its name, its arguments (file paths made absolute, so
     that :func:`load_checkpoint` works from any directory, plus what the task learned from its data,
@@ -230,8 +268,10 @@ def build_checkpoint(
     rng: list,
     best_val_loss: dict,
     history: list,
+    explicit: frozenset = frozenset(),
 ) -> dict:
-    """The checkpoint dict; ``rng`` holds one :func:`rng_state` per DDP rank."""
+    """The checkpoint dict; ``rng`` holds one :func:`rng_state` per DDP rank, ``explicit`` the TrainConfig
+    fields the run was given explicitly (kept on ``--resume``, see :func:`~sigmafast.train_config.resume_config`)."""
     diffusion = getattr(model, "diffusion_config", None)
     return {
         "objective": objective_of(model),
@@ -245,4 +285,5 @@ def build_checkpoint(
         "rng": rng,
         "best_val_loss": dict(best_val_loss),
         "history": list(history),
+        "explicit_fields": sorted(explicit),
     }

@@ -28,8 +28,8 @@ from .batches import (
     SAMPLE_STREAM, TRAIN_STREAM, VAL_STREAM, curriculum_l2r, get_batch, make_val_batches, stream_generator,
 )
 from .checkpoint import (
-    atomic_save, build_checkpoint, check_compatible, check_writable, checkpoint_path, load_checkpoint, read_resumed,
-    rng_state, set_rng_state, stored_model_config, task_record,
+    atomic_save, build_checkpoint, check_compatible, check_new_run, check_writable, checkpoint_path, load_checkpoint,
+    read_resumed, rng_state, set_rng_state, task_record,
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
@@ -37,17 +37,18 @@ from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
 from .loss import step_weights
 from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
-from .optim import configure_optimizer, learning_rate
+from .optim import configure_optimizer, learning_rate, restore_optimizer
+from .resume import check_given_fields, learned_task_kwargs, resumed_config
 from .signals import EvaluationStopped, StopRequest
-from .train_config import TrainConfig, check_task_flags, resolve, resume_config
+from .train_config import RUN_FIELDS, TrainConfig, check_task_flags, resolve
 
 __all__ = ["TrainConfig", "TrainResult", "train", "load_checkpoint", "learning_rate", "build_model_config"]
 
 log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s by device-name fragment, for the MFU estimate.
-_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("4090", 165e12),
-               ("A10", 125e12), ("L4", 121e12))
+_PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12),
+               ("L40S", 362e12), ("L40", 181e12), ("4090", 165e12), ("A10", 125e12), ("L4", 121e12))  # dense bf16
 
 
 @dataclass
@@ -70,9 +71,11 @@ def build_model_config(cfg: TrainConfig, task) -> SigmaGPTConfig:
     )
 
 
-def estimate_mfu(config: SigmaGPTConfig, n_params: int, seq_len: int, tokens_per_s: float, device) -> Optional[float]:
-    """nanoGPT's model-FLOPs utilisation estimate (PaLM appendix B); None off CUDA or on unknown GPUs."""
-    if device.type != "cuda":
+def estimate_mfu(config: SigmaGPTConfig, n_params: int, seq_len: int, tokens_per_s: float, device,
+                 bf16: bool = True) -> Optional[float]:
+    """nanoGPT's model-FLOPs utilisation estimate (PaLM appendix B) against the GPU's dense bf16 peak (the first
+    entry of ``_PEAK_FLOPS`` its name contains); None off CUDA, on unknown GPUs or without bf16 autocast."""
+    if device.type != "cuda" or not bf16:
         return None
     name = torch.cuda.get_device_name(device)
     peak = next((flops for key, flops in _PEAK_FLOPS if key in name), None)
@@ -124,14 +127,19 @@ class _Trainer:
         from .tasks import get_task
 
         self.layout, self.stop, self.device = layout, stop, layout.device
+        check_new_run(user_cfg)  # without --resume, never replace a checkpoint unasked
+        given = user_cfg.explicit_fields()
         ckpt = read_resumed(user_cfg) if user_cfg.resume else None
+        self.explicit = given - RUN_FIELDS
         if ckpt is not None:  # the fields left unset continue the stored run
-            user_cfg = resume_config(user_cfg, ckpt["train_config"], stored_model_config(ckpt).to_dict())
+            user_cfg, self.explicit = resumed_config(user_cfg, ckpt)
         task_kwargs = user_cfg.task_kwargs()
         check_task_flags(user_cfg.task, task_kwargs)
-        self.task = get_task(user_cfg.task, **task_kwargs)
+        learned = learned_task_kwargs(ckpt) if ckpt is not None else {}  # the stored vocabulary, bins
+        self.task = get_task(user_cfg.task, **task_kwargs, **learned)
         self.task.check_data()  # a missing data set fails now, with how to get it
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
+        check_given_fields(cfg, given, self.task)
         self.task_info = task_record(self.task, task_kwargs)
         self.model_config = build_model_config(cfg, self.task)
         estimate = check_memory(cfg, self.model_config, self.task.seq_len, self.device)
@@ -173,6 +181,7 @@ class _Trainer:
         self.optimizer = configure_optimizer(self.model, cfg, self.device)
         if ckpt is not None:
             self._restore(ckpt)
+        self.eval_pending = not (self.history and self.history[-1]["iter"] == self.start_iter)  # on every rank
 
         net = ModelLoss(self.model)
         net = torch.compile(net) if cfg.compile else net
@@ -188,7 +197,10 @@ class _Trainer:
         self.train_log: list[dict] = []
 
     def _restore(self, ckpt: dict) -> None:
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        stored = ckpt["train_config"]
+        scales = tuple(1.0 if stored.get(k) is None else stored[k]  # checkpoints before the scales: 1
+                       for k in ("embedding_lr_scale", "final_norm_lr_scale"))
+        self.optimizer = restore_optimizer(self.model, self.cfg, self.device, ckpt["optimizer"], scales)
         self.start_iter, self.history = ckpt["iter"], list(ckpt["history"])
         self.best_val_loss = dict(ckpt["best_val_loss"])
         states = ckpt["rng"]
@@ -220,7 +232,7 @@ class _Trainer:
         states = self.layout.gather(rng_state(self.device))
         if self.layout.is_main:
             ckpt = build_checkpoint(self.model, self.optimizer, self.cfg, self.task_info, it, states,
-                                    self.best_val_loss, self.history)
+                                    self.best_val_loss, self.history, self.explicit)
             atomic_save(ckpt, self.path)
             log.info("saved %s at iter %d", self.path, it)
 
@@ -331,8 +343,8 @@ class _Trainer:
         if cfg.order == "curriculum":
             entry["l2r_fraction"] = curriculum_l2r(it, cfg)
             parts.append(f"l2r {entry['l2r_fraction']:.3f}")
-        mfu = estimate_mfu(self.model_config, self.n_params, self.task.seq_len,
-                           tokens_per_s / self.layout.world_size, self.device)
+        mfu = estimate_mfu(self.model_config, self.n_params, self.task.seq_len, tokens_per_s / self.layout.world_size,
+                           self.device, bf16=not isinstance(self.autocast, nullcontext))
         if mfu is not None:
             entry["mfu"] = mfu
             parts.append(f"mfu {100 * mfu:.1f}%")
@@ -349,7 +361,8 @@ class _Trainer:
                    f"order {cfg.order}" if cfg.objective == "sigma" else f"diffusion ({cfg.diffusion_noise} noise)",
                    self.tokens_per_step, self.device,
                    f" x{self.layout.world_size} ranks" if self.layout.distributed else "")
-        if self.start_iter >= cfg.max_iters:
+        final_only = self.start_iter == cfg.max_iters and self.eval_pending  # its final evaluation was stopped
+        if self.start_iter >= cfg.max_iters and not final_only:
             if self.layout.is_main:
                 log.warning("nothing to train: the checkpoint is at iter %d and max_iters is %d; pass a larger "
                             "--max-iters to train on", self.start_iter, cfg.max_iters)
@@ -381,7 +394,7 @@ class _Trainer:
         if not stopped:
             self.evaluate(it)
             stopped = self.layout.any(self.stop.requested)  # the final evaluation was abandoned
-        if it > self.start_iter or (stopped and not cfg.resume):  # stopped in the first evaluation: the
-            self.save(it)  # initial state, so that --resume continues this run
+        if it > self.start_iter or (stopped and not cfg.resume) or (final_only and not stopped):
+            self.save(it)  # stopped in the first evaluation: the initial state, so that --resume continues it
         self.model.eval()
         return TrainResult(self.model, self.task, self.history, self.path, self.train_log, stopped)

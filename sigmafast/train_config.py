@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from .tasks import TASK_NAMES, task_arguments
 
 DTYPES = ("auto", "float32", "bfloat16")
 TASK_FLAGS = ("seq_len", "text", "data_dir", "csv", "column")  # the fields passed to the task's constructor
+PATH_FIELDS = ("text", "data_dir", "csv")
+RUN_FIELDS = frozenset({"out_dir", "resume", "overwrite"})  # the invocation's, never the checkpoint's
 
 # Tokens per optimiser step for the paper-scale presets: nanoGPT's 12 x 1024 x 40.
 PAPER_TOKENS_PER_STEP = 491_520
@@ -171,6 +174,9 @@ class TrainConfig:
     dtype: str = _field("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", DTYPES)
     compile: bool = _field(False, "torch.compile the model")
     resume: bool = _field(False, "continue from out_dir/ckpt.pt; unset flags take the checkpoint's values")
+    overwrite: bool = _field(False, "start a new run in an out_dir that already holds a ckpt.pt, which the new "
+                                    "run's first save replaces (without --overwrite or --resume, such an out_dir is "
+                                    "an error)")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -180,6 +186,11 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value!r}")
         _check_choice("task", self.task, TASK_NAMES)
+        for name in PATH_FIELDS:  # absolute, so that --resume from another folder reads the same files
+            if getattr(self, name) is not None:
+                setattr(self, name, os.path.abspath(getattr(self, name)))
+        if self.resume and self.overwrite:
+            raise ValueError("TrainConfig.resume and overwrite exclude each other: continue the run, or start anew")
         if self.preset is None:
             self.preset = default_preset(self.task)
         _check_choice("preset", self.preset, tuple(PRESETS))
@@ -217,6 +228,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {value!r}")
         if self.curriculum_start is not None and not 0.0 <= self.curriculum_start <= 1.0:
             raise ValueError(f"TrainConfig.curriculum_start must be in [0, 1], got {self.curriculum_start!r}")
+        if None not in (self.lr_decay_iters, self.warmup_iters) and self.lr_decay_iters < self.warmup_iters:
+            raise ValueError(f"TrainConfig.lr_decay_iters ({self.lr_decay_iters}) must be >= warmup_iters "
+                             f"({self.warmup_iters}): the cosine decay starts when the warm-up ends")
         if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"TrainConfig.min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         arch = self.architecture()
@@ -328,18 +342,20 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 _DERIVED = (("lr_decay_iters", "max_iters"), ("min_lr", "lr"), ("grad_accum", "batch_size"))
 
 
-def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict) -> TrainConfig:
+def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict,
+                  stored_explicit: frozenset = frozenset()) -> TrainConfig:
     """``cfg`` for ``--resume``: every field the user did not set (:meth:`TrainConfig.explicit_fields`) takes
     the checkpoint's value, so that the run goes on as it was started, even when a later version changed the
-    presets or the task recipes. ``out_dir`` and ``resume`` stay ``cfg``'s.
+    presets or the task recipes. :data:`RUN_FIELDS` (``out_dir``, ``resume``, ``overwrite``) stay ``cfg``'s.
 
     ``stored_train`` is the checkpoint's resolved TrainConfig dict and ``stored_model`` its model config dict
     (fields an older checkpoint lacks already at their defaults). The architecture comes from the model that
     was built; training fields the checkpoint lacks take their values from before any recipe
     (:data:`_BASE_DEFAULTS`), else their defaults. A derived field (``lr_decay_iters``, ``min_lr``,
-    ``grad_accum``) whose source the user sets is derived again.
+    ``grad_accum``) whose source the user sets is derived again, unless it is in ``stored_explicit`` (the
+    fields the stored run was given explicitly).
     """
-    given = cfg.explicit_fields() | {"out_dir", "resume"}
+    given = cfg.explicit_fields() | RUN_FIELDS
     stored = {**_BASE_DEFAULTS, **{k: v for k, v in stored_train.items() if v is not None}}
     stored.update({k: stored_model[k] for k in ARCH_FIELDS if k in stored_model})
     if stored.get("preset") not in PRESETS:  # a preset removed since: the default of the stored task
@@ -347,7 +363,7 @@ def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict) -> T
     values = {name: value for name, value in cfg.to_dict().items() if name in given}
     values.update({name: value for name, value in stored.items() if name not in given and name in _FIELDS})
     for derived, source in _DERIVED:
-        if derived not in given and source in given:
+        if derived not in given and derived not in stored_explicit and source in given:
             values[derived] = None
     return TrainConfig(**values)
 
@@ -366,10 +382,15 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
         values["grad_accum"] = -(-accum // world_size) * world_size
     if values["min_lr"] is None:  # the preset's, unless lr is overridden: then lr / 10
         values["min_lr"] = preset.get("min_lr", values["lr"] / 10) if cfg.lr is None else values["lr"] / 10
-    if cfg.objective == "diffusion" and cfg.loss_weighting is None:  # a σ-GPT recipe's step weights
-        values["loss_weighting"] = "uniform"
-    if values["lr_decay_iters"] is None:
-        values["lr_decay_iters"] = values["max_iters"]
+    if cfg.objective == "diffusion":  # a σ-GPT recipe's order and step weights do not apply
+        values["order"] = "random" if cfg.order is None else cfg.order
+        values["loss_weighting"] = "uniform" if cfg.loss_weighting is None else cfg.loss_weighting
+    if values["lr_decay_iters"] is None:  # the schedule of a run shorter than its warm-up is all warm-up
+        values["lr_decay_iters"] = max(values["max_iters"], values["warmup_iters"])
+    if values["data_dir"] is None and cfg.task in PAPER_TASKS:  # the task's default folder, made absolute
+        from .tasks.text import TOKEN_DATASETS
+
+        values["data_dir"] = TOKEN_DATASETS[cfg.task]["data_dir"]
     resolved = TrainConfig(**values)
     if resolved.grad_accum % world_size != 0:
         raise ValueError(

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import signal
 import warnings
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -217,3 +221,53 @@ def small_cfg(tmp_path, **kw) -> TrainConfig:
                 warmup_iters=2, eval_interval=4, eval_iters=2, log_interval=1, num_eval_samples=0,
                 out_dir=str(tmp_path))
     return TrainConfig(**{**base, **kw})
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_script():
+    """scripts/train.py as a module (its ``main(argv)``)."""
+    spec = importlib.util.spec_from_file_location("sigmafast_train_script", REPO / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _SignalAfter(list):
+    """Validation batches that send ``signum`` to this process once ``after`` of them were handed out, and count
+    how many were."""
+
+    def __init__(self, batches, after: int, signum=signal.SIGINT) -> None:
+        super().__init__(batches)
+        self.after, self.signum, self.taken = after, signum, 0
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if self.taken == self.after:
+                os.kill(os.getpid(), self.signum)
+            self.taken += 1
+            yield batch
+
+
+def signal_in_val_loss(monkeypatch, call: int, after: int = 1) -> list:
+    """The ``call``-th validation loss (1-based; two per evaluation: random then l2r order) gets a SIGINT after
+    ``after`` of its batches; returns the list of the wrapped batches."""
+    import sigmafast.train as train_mod
+
+    real, calls, wrapped = train_mod.estimate_val_loss, [], []
+
+    def estimate(model, batches, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            batches = _SignalAfter(batches, after)
+            wrapped.append(batches)
+        return real(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "estimate_val_loss", estimate)
+    return wrapped
+
+
+# a short scripts/train.py run (add --out-dir)
+BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "--max-iters", "2",
+             "--eval-iters", "1", "--num-eval-samples", "0"]

@@ -1,10 +1,8 @@
 """Resuming a run: SIGINT / SIGTERM checkpoints, bitwise continuation, and the stored run's config."""
 
-import importlib.util
 import logging
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,17 +12,9 @@ from sigmafast import train_config
 from sigmafast.checkpoint import read_checkpoint
 from sigmafast.signals import StopRequest
 from sigmafast.train import TrainConfig, train
-from helpers import small_cfg
+from helpers import signal_in_val_loss, small_cfg, train_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-REPO = Path(__file__).resolve().parents[1]
-
-
-def train_script():
-    spec = importlib.util.spec_from_file_location("sigmafast_train_script", REPO / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def losses(result) -> dict[int, float]:
@@ -226,38 +216,6 @@ def test_resume_with_another_task_names_the_checkpoints(tmp_path, capsys):
     assert "was written for task 'char'; leave --task out" in err
     assert script.main(["--resume", "--max-iters", "2"] + out) == 0  # the task, text and seq_len are stored
     assert read_checkpoint(tmp_path / "char" / "ckpt.pt")["iter"] == 2
-
-
-class _SignalAfter(list):
-    """Validation batches that send ``signum`` to this process once ``after`` of them were handed out, and count
-    how many were."""
-
-    def __init__(self, batches, after: int, signum=signal.SIGINT) -> None:
-        super().__init__(batches)
-        self.after, self.signum, self.taken = after, signum, 0
-
-    def __iter__(self):
-        for batch in super().__iter__():
-            if self.taken == self.after:
-                os.kill(os.getpid(), self.signum)
-            self.taken += 1
-            yield batch
-
-
-def signal_in_val_loss(monkeypatch, call: int, after: int = 1) -> list:
-    """The ``call``-th validation loss (1-based; two per evaluation: random then l2r order) gets a SIGINT after
-    ``after`` of its batches; returns the list of the wrapped batches."""
-    real, calls, wrapped = train_mod.estimate_val_loss, [], []
-
-    def estimate(model, batches, *args, **kwargs):
-        calls.append(None)
-        if len(calls) == call:
-            batches = _SignalAfter(batches, after)
-            wrapped.append(batches)
-        return real(model, batches, *args, **kwargs)
-
-    monkeypatch.setattr(train_mod, "estimate_val_loss", estimate)
-    return wrapped
 
 
 def test_stop_request_during_evaluation_abandons_it_and_resume_matches(tmp_path, monkeypatch, caplog):

@@ -1,8 +1,5 @@
-import importlib.util
 import logging
 import math
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -11,24 +8,16 @@ import torch
 import sigmafast.train as train_mod
 from sigmafast.checkpoint import read_checkpoint
 from sigmafast.loss import step_weights
-from sigmafast.model import SigmaGPT
+from sigmafast.model import SigmaGPT, SigmaGPTConfig
 from sigmafast.tasks import get_task
 from sigmafast.train import (
     TrainConfig, build_model_config, configure_optimizer, learning_rate, load_checkpoint, train,
 )
 from sigmafast import train_config
 from sigmafast.train_config import resolve
-from helpers import small_cfg
+from helpers import BASE_ARGV, small_cfg, train_script as load_script
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sigmafast_train_script", REPO / "scripts" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -131,6 +120,32 @@ def test_unwritable_out_dir_fails_at_start(tmp_path, monkeypatch, capsys):
     assert err.startswith(f"error: TrainConfig.out_dir '{folder}' is not writable: ") and err.count("\n") == 1, err
     assert not (folder / "ckpt.pt").exists()
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".write-test")]
+
+
+def test_char_recipe_order_is_dropped_for_diffusion_and_unused_eval_samples_are_an_error(tmp_path, capsys):
+    """The char recipe's curriculum order does not apply to --objective diffusion (an explicit --order does,
+    and is an error); --num-eval-samples N > 0 on a task without a validity metric is an error, not ignored."""
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. " * 40)
+    char = ["--task", "char", "--text", str(text), "--seq-len", "8", "--max-iters", "1", "--batch-size", "4",
+            "--eval-iters", "1"]
+    script = load_script()
+    assert script.main(char + ["--objective", "diffusion", "--out-dir", str(tmp_path / "d")]) == 0
+    assert read_checkpoint(tmp_path / "d" / "ckpt.pt")["train_config"]["order"] == "random"
+    assert resolve(TrainConfig(task="char", curriculum_start=0.3), 8).order == "curriculum"  # the recipe's
+    assert script.main(char + ["--objective", "diffusion", "--order", "curriculum"]) == 2
+    assert "TrainConfig.order ('curriculum') applies to objective 'sigma' only" in capsys.readouterr().err
+    assert script.main(char + ["--num-eval-samples", "4", "--out-dir", str(tmp_path / "n")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: TrainConfig.num_eval_samples (4) needs a task with a validity metric, and task 'char' "
+                   "has none: pass 0 or leave it out\n")
+    assert not (tmp_path / "n" / "ckpt.pt").exists()
+
+
+def test_derived_lr_decay_covers_the_warm_up():
+    """Unset, lr_decay_iters is max_iters, or the warm-up of a shorter run (the same schedule: all warm-up)."""
+    assert resolve(TrainConfig(task="step", max_iters=300), 12).lr_decay_iters == 300
+    assert resolve(TrainConfig(task="step", max_iters=10), 12).lr_decay_iters == 50  # the tiny preset's warm-up
 
 
 def test_learning_rate_schedule():
@@ -252,6 +267,8 @@ def test_grad_accum_must_split_across_ranks():
         (dict(mlp_ratio=0.5), TypeError, "TrainConfig.mlp_ratio must be"),
         (dict(final_norm="rms"), ValueError, "TrainConfig.final_norm"),
         (dict(loss_weighting="visited", objective="diffusion"), ValueError, "applies to objective 'sigma' only"),
+        (dict(warmup_iters=10, lr_decay_iters=5), ValueError,
+         "TrainConfig.lr_decay_iters \\(5\\) must be >= warmup_iters \\(10\\)"),
         *[(dict(**{name: value}), ValueError, f"TrainConfig.{name} must be a finite number, got {value}")
           for name, value in (("lr", math.nan), ("lr", math.inf), ("min_lr", math.nan), ("weight_decay", math.nan),
                               ("grad_clip", math.nan), ("grad_clip", math.inf), ("embedding_lr_scale", math.nan),
@@ -260,10 +277,10 @@ def test_grad_accum_must_split_across_ranks():
     ],
     ids=["task", "preset", "order", "n_embd", "n_head", "int-type", "bool-type", "lr", "batch", "beta2",
          "curriculum", "min_lr", "dtype", "device", "cuda-index", "pos-encoding", "seq-len", "embedding-init",
-         "embedding-lr-scale", "norm-lr-scale-type", "loss-weighting", "loss-weighting-diffusion", "mlp-ratio",
-         "mlp-ratio-type", "final-norm", "nan-lr", "inf-lr", "nan-min-lr", "nan-weight-decay", "nan-grad-clip",
-         "inf-grad-clip", "nan-embedding-lr-scale", "inf-final-norm-lr-scale", "nan-beta1", "nan-dropout",
-         "nan-curriculum-start"],
+         "embedding-lr-scale", "norm-lr-scale-type", "loss-weighting", "mlp-ratio", "mlp-ratio-type", "final-norm",
+         "loss-weighting-diffusion", "lr-decay-below-warmup", "nan-lr", "inf-lr", "nan-min-lr", "nan-weight-decay",
+         "nan-grad-clip", "inf-grad-clip", "nan-embedding-lr-scale", "inf-final-norm-lr-scale", "nan-beta1",
+         "nan-dropout", "nan-curriculum-start"],
 )
 def test_config_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -279,129 +296,6 @@ def test_train_input_errors(tmp_path):
         train(small_cfg(tmp_path / "empty", resume=True))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
-
-
-BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "--max-iters", "2",
-             "--eval-iters", "1", "--num-eval-samples", "0"]
-
-
-@pytest.mark.parametrize(
-    "extra,match",
-    [
-        (["--task", "nope"], "argument --task: invalid choice: 'nope'"),
-        (["--order", "zigzag"], "argument --order: invalid choice: 'zigzag'"),
-        (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
-        (["--block-size", "8"], "block_size (8) must be >= the task's seq_len (12)"),
-        (["--n-embd", "60", "--n-head", "4"], "n_embd (60) must be divisible by 2*n_head (8)"),
-        (["--max-iters", "many"], "argument --max-iters: invalid int value: 'many'"),
-        (["--lr", "-1"], "TrainConfig.lr must be > 0"),
-        (["--seq-len", "1"], "seq_len"),
-        (["--resume", "--out-dir", "{empty}"], "no checkpoint at"),
-        (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 1, now 3"),
-        (["--resume", "--out-dir", "{trained}", "--seq-len", "10"], "task seq_len: checkpoint 12, now 10"),
-        (["--resume", "--out-dir", "{trained}", "--task", "step"], "written for task 'permutation'; leave --task out"),
-        (["--weight-decay", "nan"], "TrainConfig.weight_decay must be a finite number, got nan"),
-        (["--lr", "inf"], "TrainConfig.lr must be a finite number, got inf"),
-        (["--seq-len", "100000000"], "GiB available: reduce --batch-size"),
-        (["--n-embd", "100000", "--n-layer", "100"], "GiB available: reduce --batch-size"),
-        pytest.param(["--device", "cuda"], "device 'cuda' requested but CUDA is not available",
-                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
-    ],
-    ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
-         "other-arch", "other-seq-len", "other-task", "nan-weight-decay", "inf-lr", "huge-seq-len", "huge-model",
-         "cuda-without-cuda"],
-)
-def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
-    script = load_script()
-    run_dir = ["--out-dir", str(tmp_path / "run")]  # a later --out-dir in extra wins
-    argv = [a.format(empty=tmp_path / "empty", trained=trained_dir) for a in BASE_ARGV + run_dir + extra]
-    try:
-        code = script.main(argv)
-    except SystemExit as e:  # argparse
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert match in err
-    assert "Traceback" not in err
-
-
-def nan_loss_from_step(monkeypatch, first: int) -> None:
-    """Training losses turn NaN from optimiser step ``first`` on (one micro-step per step)."""
-    real_loss, calls = train_mod._Trainer._loss, []
-
-    def loss(self, batch):
-        calls.append(None)
-        value = real_loss(self, batch)
-        return value * math.nan if len(calls) > first else value
-
-    monkeypatch.setattr(train_mod._Trainer, "_loss", loss)
-
-
-def test_script_stops_at_a_nan_training_loss_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
-    nan_loss_from_step(monkeypatch, 3)
-    argv = BASE_ARGV + ["--max-iters", "6", "--eval-interval", "2", "--log-interval", "1", "--out-dir", str(tmp_path)]
-    assert load_script().main(argv) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: training loss nan at iter 3: the run diverged; ") and err.count("\n") == 1, err
-    assert f"{tmp_path / 'ckpt.pt'} is left as it was" in err
-    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
-    assert ckpt["iter"] == 2 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
-
-
-def test_non_finite_weights_stop_the_run_before_a_checkpoint(tmp_path, monkeypatch):
-    """No log line between the NaN step and the next evaluation: the weights' check stops the run there."""
-    nan_loss_from_step(monkeypatch, 3)
-    with pytest.raises(FloatingPointError, match="non-finite weights at iter 4: the run diverged; .* is left as it"):
-        train(small_cfg(tmp_path, max_iters=6, eval_interval=2, log_interval=100))
-    ckpt = read_checkpoint(tmp_path / "ckpt.pt")
-    assert ckpt["iter"] == 2 and all(torch.isfinite(w).all() for w in ckpt["model"].values())
-    nan_loss_from_step(monkeypatch, 0)
-    with pytest.raises(FloatingPointError, match="loss nan at iter 0: the run diverged; no checkpoint was written"):
-        train(small_cfg(tmp_path / "new", max_iters=6, eval_interval=2, log_interval=100))
-    assert not (tmp_path / "new" / "ckpt.pt").exists()
-
-
-def test_script_flags_mirror_config(tmp_path):
-    parser = load_script().build_parser()
-    args = parser.parse_args(["--max-iters", "7", "--no-bias", "--compile", "--order", "fractal",
-                              "--curriculum-start", "0.25", "--out-dir", str(tmp_path)])
-    cfg = TrainConfig(**vars(args))
-    assert (cfg.max_iters, cfg.bias, cfg.compile, cfg.order, cfg.curriculum_start) == (7, False, True, "fractal", 0.25)
-    assert TrainConfig(**vars(parser.parse_args([]))) == TrainConfig()
-
-
-def test_script_help_names_the_task_recipe_defaults():
-    """A flag whose default a task recipe may set says so, as --order does (--task step trains rope-v)."""
-    helps = {action.dest: action.help for action in load_script().build_parser()._actions}
-    recipe_fields = {name for recipe in train_config.TASK_RECIPES.values() for name in recipe}
-    assert "pos_encoding" in recipe_fields
-    for name in sorted(recipe_fields):
-        assert "(default: the task recipe's, else " in helps[name], (name, helps[name])
-
-
-def test_script_sigint_saves_checkpoint_and_exits(tmp_path, monkeypatch, capsys):
-    real_get_batch = train_mod.get_batch
-
-    def get_batch_then_sigint(task, cfg, step, index, start_pos, device):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_get_batch(task, cfg, step, index, start_pos, device)
-
-    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_sigint)
-    handler_before = signal.getsignal(signal.SIGINT)
-    code = load_script().main(BASE_ARGV + ["--max-iters", "50", "--out-dir", str(tmp_path)])
-    assert code == 130 and signal.getsignal(signal.SIGINT) is handler_before
-    assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 2
-    assert "Traceback" not in capsys.readouterr().err
-
-
-def test_script_trains_and_resumes(tmp_path, capsys):
-    script = load_script()
-    argv = BASE_ARGV + ["--out-dir", str(tmp_path)]
-    assert script.main(argv) == 0
-    assert script.main(argv + ["--max-iters", "3", "--resume"]) == 0
-    assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 3
 
 
 def test_task_recipes_fill_only_unset_fields(monkeypatch):
@@ -481,3 +375,19 @@ def test_task_flags_a_task_does_not_take_are_named_as_flags(tmp_path):
                                          r"--seq-len$"):
         train(cfg)
     assert not (tmp_path / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA L40S", 362e12), ("NVIDIA L40", 181e12), ("NVIDIA H200", 989e12)])
+def test_mfu_uses_the_gpus_own_dense_bf16_peak(name, peak, monkeypatch):
+    """The most specific name in the peak table wins (an H100 PCIe is not an SXM H100, an L40S not an L40);
+    float32 training, the CPU and unknown GPUs get no estimate."""
+    cfg = SigmaGPTConfig.from_preset("tiny", vocab_size=10, block_size=16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda")
+    per_token = 6 * 1000 + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * 16
+    assert train_mod.estimate_mfu(cfg, 1000, 16, 1e9, cuda) == pytest.approx(per_token * 1e9 / peak)
+    assert train_mod.estimate_mfu(cfg, 1000, 16, 1e9, cuda, bf16=False) is None
+    assert train_mod.estimate_mfu(cfg, 1000, 16, 1e9, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert train_mod.estimate_mfu(cfg, 1000, 16, 1e9, cuda) is None

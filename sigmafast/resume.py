@@ -1,0 +1,49 @@
+"""What a run takes from the checkpoint it resumes (its config, the task's learned state) and the checks of the
+fields a user passed that the resolved config would otherwise ignore."""
+
+from __future__ import annotations
+
+import os
+
+from .batches import SAMPLE_STREAM, stream_generator
+from .checkpoint import stored_model_config
+from .evaluation import numeric_metrics
+from .train_config import PATH_FIELDS, RUN_FIELDS, TASK_FLAGS, TrainConfig, resume_config
+
+
+def resumed_config(user_cfg: TrainConfig, ckpt: dict) -> tuple[TrainConfig, frozenset]:
+    """The config that continues the run of ``ckpt`` with the fields ``user_cfg`` sets
+    (:func:`~sigmafast.train_config.resume_config`), and the fields the run was given explicitly so far,
+    to store in the next checkpoint."""
+    stored_explicit = frozenset(ckpt.get("explicit_fields", ()))  # none in checkpoints before the record
+    stored = dict(ckpt["train_config"])
+    recorded = ckpt["task"]["kwargs"]
+    for name in PATH_FIELDS:  # older checkpoints kept the path as given; the task record holds it absolute
+        if isinstance(stored.get(name), str) and not os.path.isabs(stored[name]) and name in recorded:
+            stored[name] = recorded[name]
+    cfg = resume_config(user_cfg, stored, stored_model_config(ckpt).to_dict(), stored_explicit)
+    return cfg, (stored_explicit | user_cfg.explicit_fields()) - RUN_FIELDS
+
+
+def learned_task_kwargs(ckpt: dict) -> dict:
+    """The task arguments the stored run learned from its data (the char task's vocabulary, the series task's
+    value range and bins): the resumed task is built with them, so that a token id keeps its meaning when
+    the data file changed since."""
+    return {k: v for k, v in ckpt["task"]["kwargs"].items() if k not in TASK_FLAGS}
+
+
+def check_given_fields(cfg: TrainConfig, given: frozenset, task) -> None:
+    """A ``ValueError`` for a field the user passed (``given``) that the resolved ``cfg`` or ``task`` would
+    ignore: ``curriculum_start`` without the curriculum order, ``diffusion_noise`` without objective
+    diffusion, ``num_eval_samples`` > 0 on a task without a validity metric."""
+    if "curriculum_start" in given and cfg.curriculum_start is not None and cfg.order != "curriculum":
+        raise ValueError(f"TrainConfig.curriculum_start applies to order 'curriculum' only; this run's order is "
+                         f"{cfg.order!r}")
+    if "diffusion_noise" in given and cfg.objective != "diffusion":
+        raise ValueError(f"TrainConfig.diffusion_noise applies to objective 'diffusion' only; this run's objective "
+                         f"is {cfg.objective!r}")
+    if "num_eval_samples" in given and cfg.num_eval_samples > 0:
+        probe = task.sample_batch(1, "val", stream_generator(cfg.seed, SAMPLE_STREAM))
+        if not numeric_metrics(task.evaluate(probe)):
+            raise ValueError(f"TrainConfig.num_eval_samples ({cfg.num_eval_samples}) needs a task with a validity "
+                             f"metric, and task {task.name!r} has none: pass 0 or leave it out")
