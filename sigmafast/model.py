@@ -261,8 +261,9 @@ class SigmaGPT(nn.Module):
         """(..., T) positions -> the RoPE angles of queries (``out_pos``) and keys (``in_pos``), or None."""
         if not self.config.rotary:
             return None
-        angles = [t[out_pos].unsqueeze(-3) for t in (self.rope_turn_cos, self.rope_turn_sin)]  # (..., 1, T, D)
-        angles += [t[in_pos].unsqueeze(-3) for t in (self.rope_turn_cos, self.rope_turn_sin)]
+        tables = (self.rope_turn_cos, self.rope_turn_sin)  # row lookups: a position outside them is an error,
+        angles = [F.embedding(out_pos, t).unsqueeze(-3) for t in tables]  # as in the absolute encodings (no wrap)
+        angles += [F.embedding(in_pos, t).unsqueeze(-3) for t in tables]  # (..., 1, T, D) each
         return Rotary(*angles, values=self.config.rotary_values)
 
     def run_layers(self, x: torch.Tensor, attend: AttendFn, rotary: Optional[Rotary] = None,

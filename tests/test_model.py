@@ -307,6 +307,11 @@ def test_input_validation(model):
         model(long, long, long)
     with pytest.raises(ValueError, match="targets must have shape"):
         model(tokens, in_pos, out_pos, targets[:1])
+    for bad in (out_pos - 1 - out_pos.max(), out_pos + 1000):  # negative, past the tables: never wrapped
+        with pytest.raises(IndexError, match="index out of range"):
+            model(tokens, in_pos, bad)
+        with pytest.raises(IndexError, match="index out of range"):
+            model(tokens, bad, out_pos)
 
 
 @pytest.mark.parametrize(
