@@ -136,7 +136,6 @@ def _cases(dtype: torch.dtype):
     yield "lossless residual pick", lambda: lossless.pick_launch(
         n_acc, rem, ords, ords % 256, torch.rand(8, 1024, generator=g, dtype=torch.float64),
         torch.randn(8, 256, 50304, dtype=dtype)[..., :50257], torch.randn(8, 256, 768, dtype=dtype))
-    yield "lossless residual splice", lambda: lossless.splice_launch(ords, n_acc, rem, n_acc < rem)
     for D in (64, 128):  # the QKV projection's views (B, O, H, R, D) rotated in place, and an output back
         proj = torch.randn(2, 5, 256, 3 * 12 * D, generator=g).to(dtype)
         qkv = [t.view(2, 5, 256, 12, D).transpose(-3, -2) for t in proj.split(12 * D, dim=-1)]

@@ -18,8 +18,9 @@ extra: acceptance straight from hidden states and the LM-head weight;
 fuse a step's small ops (a residual add and its LayerNorm; a narrow model's
 output projection or MLP with them; the input embedding and the first LayerNorm; a
 layer's RoPE; the slots a burst drafts and its visiting orders; the drafts read
-along the orders; the cache and canvas writes of a commit), as do
-``residual_pick`` and ``residual_splice`` (the lossless rule's bookkeeping);
+along the orders; the cache and canvas writes of a commit, with the lossless
+rule's residual token spliced in), as does ``residual_pick`` (the rest of the
+lossless rule's bookkeeping);
 ``flag_nonfinite`` fuses a step's check of a non-finite output (and ``commit``
 writes a burst's status), and ``plan_step`` an autoregressive token's read of
 its plan. The functions below pick one per call:
@@ -264,22 +265,12 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Opti
 
 def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier, *, backend: Optional[str] = None
                   ) -> tuple[torch.Tensor, ...]:
-    """The lossless rule's residual draw per row: its (B,) uniform, whether the row rejected, and the (B, V)
-    draft row and (B, X) verifier row it is drawn from; see the reference."""
+    """The lossless rule's residual draw per row: its (B,) uniform, the (B,) committed count (n + rejected),
+    and the (B, V) draft row and (B, X) verifier row it is drawn from; see the reference."""
     if _resolve(backend, u_residual) == "triton":
         return _triton().lossless.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
     checks.check_residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier, unit_stride=False)
     return reference.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
-
-
-def residual_splice(tokens, n, r_tok, rejected, *, backend: Optional[str] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lossless commit's (B, R) tokens (the residual token at step n) and (B,) counts; see the
-    reference."""
-    if _resolve(backend, tokens) == "triton":
-        return _triton().lossless.residual_splice(tokens, n, r_tok, rejected)
-    checks.check_residual_splice(tokens, n, r_tok, rejected, unit_stride=False)
-    return reference.residual_splice(tokens, n, r_tok, rejected)
 
 
 def draft_slots(known, uniforms, keys, R: int, *, backend: Optional[str] = None
@@ -319,12 +310,14 @@ def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weigh
 
 
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
-           flag=None, status=None, backend: Optional[str] = None) -> None:
+           flag=None, status=None, residual=None, residual_step=None, backend: Optional[str] = None) -> None:
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's canvas and KV cache, in place;
-    with a (3,) int64 ``status`` and the () bool ``flag``, also write the burst status after it there. See
-    the reference."""
+    with a (3,) int64 ``status`` and the () bool ``flag``, also write the burst status after it there; with
+    (B,) ``residual`` tokens and ``residual_step``, commit the residual token at that step. See the
+    reference."""
     state = dict(canvas=canvas, known=known, last_tok=last_tok, last_pos=last_pos, k_cache=k_cache,
-                 v_cache=v_cache, lens=lens, flag=flag, status=status)
+                 v_cache=v_cache, lens=lens, flag=flag, status=status, residual=residual,
+                 residual_step=residual_step)
     if _resolve(backend, k_cache) == "triton":
         return _triton().commit_step.commit(orders, choice, n, tokens, keys, values, **state)
     step_checks.check_commit(orders, choice, n, tokens, keys, values, **state)
@@ -367,7 +360,6 @@ __all__ = [
     "plan_step",
     "residual_pick",
     "residual_sample",
-    "residual_splice",
     "rotary_",
     "sample",
     "use_backend",

@@ -294,15 +294,3 @@ def check_residual_pick(n, remaining, orders, slots, u_residual, drafts, verifie
             want = f"({B}, {'R' if rows is None else rows}, W)"
             raise ValueError(f"{name} must be a {want} tensor on {device} with W >= 1, got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
-
-
-def check_residual_splice(tokens, n, r_tok, rejected, unit_stride: bool = True) -> None:
-    """The arguments of ``residual_splice``: tokens (B, R) int64, n and r_tok (B,) int64, rejected (B,) bool."""
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-        raise ValueError(f"tokens must be a (B, R) tensor, got {getattr(tokens, 'shape', type(tokens).__name__)}")
-    B, R = tokens.shape
-    device = tokens.device
-    check_tensor("tokens", tokens, (B, R), (torch.int64,), device, unit_stride=unit_stride)
-    check_int("n", n, (B,), device)
-    check_int("r_tok", r_tok, (B,), device)
-    check_tensor("rejected", rejected, (B,), (torch.bool,), device, unit_stride=unit_stride)

@@ -16,7 +16,10 @@ its 120 layer kernels (benchmarks/RESULTS.md). Here:
 * ``_commit_state_kernel``, grid (B,): writes the accepted tokens into the
   canvas at the chosen positions, marks them known, moves the last token and
   position to step ``n[b] - 1`` (unchanged when ``n[b] == 0``) and advances
-  ``lens``. It runs second: the first kernel reads the old ``lens``.
+  ``lens``. It runs second: the first kernel reads the old ``lens``. Under the
+  lossless rule it also splices in the residual token at the first rejected
+  step (``residual``, ``residual_step``), which would otherwise be a kernel of
+  its own.
 
 A burst iteration also asks for its status (``status``: the largest unknown
 count of a row, the rows with one, the non-finite flag), which the sampling
@@ -91,30 +94,34 @@ def _commit_kv_kernel(
         tl.store(VC + o_c, b_v.to(VC.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_to", "s_cb", "s_mb", "R", "T", "has_status"],
+@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_to", "s_cb", "s_mb", "R", "T", "has_status",
+                               "has_residual"],
             do_not_specialize_on_alignment=["ORDERS", "CHOICE", "N", "TOKENS", "LAST_TOK", "LAST_POS", "LENS",
-                                            "FLAG", "STATUS"])
+                                            "FLAG", "STATUS", "RES", "RES_STEP"])
 def _commit_state_kernel(
-    ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS, FLAG, STATUS,
-    s_ob, s_oo, s_tb, s_to, s_cb, s_mb, R, T, has_status,
+    ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS, FLAG, STATUS, RES, RES_STEP,
+    s_ob, s_oo, s_tb, s_to, s_cb, s_mb, R, T, has_status, has_residual,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_o = tl.load(CHOICE + i_b).to(tl.int64)
     n = tl.minimum(tl.load(N + i_b).to(tl.int64), R)
+    i_r = i_b * has_residual  # row 0 of the stand-in pointers without a residual
+    r_step = tl.where(has_residual != 0, tl.load(RES_STEP + i_r).to(tl.int64), -1)  # -1: no step holds it
+    r_tok = tl.load(RES + i_r).to(tl.int64)
     p_o = ORDERS + i_b * s_ob + i_o * s_oo  # the chosen order's positions (inner stride 1)
     p_t = TOKENS + i_b * s_tb + i_o * s_to  # the chosen order's tokens (s_to = 0: one row of tokens)
     for r0 in range(0, n, BLOCK):
         o_r = r0 + tl.arange(0, BLOCK).to(tl.int64)
         m_r = o_r < n
         b_pos = tl.load(p_o + o_r, mask=m_r, other=0).to(tl.int64)
-        b_tok = tl.load(p_t + o_r, mask=m_r)
+        b_tok = tl.where(o_r == r_step, r_tok, tl.load(p_t + o_r, mask=m_r))
         tl.store(CANVAS + i_b * s_cb + b_pos, b_tok, mask=m_r)
         tl.store(KNOWN + i_b * s_mb + b_pos, tl.full((BLOCK,), 1, tl.uint8), mask=m_r)
     moved = n > 0
     last = tl.maximum(n - 1, 0)
     tl.store(LAST_POS + i_b, tl.load(p_o + last), mask=moved)
-    tl.store(LAST_TOK + i_b, tl.load(p_t + last), mask=moved)
+    tl.store(LAST_TOK + i_b, tl.where(last == r_step, r_tok, tl.load(p_t + last)), mask=moved)
     tl.store(LENS + i_b, tl.load(LENS + i_b) + n)
 
     tl.debug_barrier()  # this program's known writes are visible to all its threads
@@ -133,12 +140,15 @@ def _kv_unit(*stride_values: int) -> int:
 
 
 def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
-           flag=None, status=None):
+           flag=None, status=None, residual=None, residual_step=None):
     """Launch both kernels (no input checks; see :func:`commit`)."""
     B, O, R = orders.shape
     n_layer, _, H, L1, D = k_cache.shape
     keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, values))
-    choice, n = (t if t.is_contiguous() else t.contiguous() for t in (choice, n))  # read at row b
+    has_residual = residual is not None
+    residual, residual_step = (residual, residual_step) if has_residual else (n, n)  # stand-ins: read, unused
+    choice, n, residual, residual_step = (t if t.is_contiguous() else t.contiguous()
+                                          for t in (choice, n, residual, residual_step))  # read at row b
     fused = status is not None and n_layer * B * H * R > 0  # else (no rows) the reference's status
     status_ptr = status if fused else lens  # never written without a status (masked)
     if n_layer * B * H * R > 0:
@@ -156,16 +166,16 @@ def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, las
     if B * R > 0:
         _commit_state_kernel[(B,)](
             orders, choice, n, tokens, canvas, mask, last_tok, last_pos, lens,
-            flag.view(torch.uint8) if fused else mask, status_ptr,
+            flag.view(torch.uint8) if fused else mask, status_ptr, residual, residual_step,
             *strides(orders)[:2], *strides(tokens)[:2], strides(canvas)[0], strides(mask)[0], R, known.shape[1],
-            int(fused), BLOCK=STATE_BLOCK, BLOCK_T=STATUS_BLOCK, num_warps=1,
+            int(fused), int(has_residual), BLOCK=STATE_BLOCK, BLOCK_T=STATUS_BLOCK, num_warps=1,
         )
     if status is not None and not fused:
         status.copy_(reference.burst_status(known, flag))
 
 
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
-           flag=None, status=None):
+           flag=None, status=None, residual=None, residual_step=None):
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
 
     orders: (B, O, R) int64 positions; choice, n: (B,) int64 (0 <= n <= R); tokens: (B, R) int64, the
@@ -176,11 +186,13 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     (no host read): ``lens[b] + n[b] <= L`` is the caller's contract. With a (3,) int64 ``status`` (and the
     () bool ``flag``) it also writes the burst status after the commit into ``status``, as
     ``reference.burst_status(known, flag)``: the largest unknown count of a row, the rows with one, the flag.
+    With (B,) int64 ``residual`` tokens and ``residual_step``, the token committed at that step (when below
+    n[b]) is ``residual[b]``: the lossless rule's draw at its first rejected step, spliced in by the commit.
     """
     check_commit(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
-                 flag, status)
+                 flag, status, residual, residual_step)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     torch.ops.sigmafast.commit(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos,
-                               k_cache, v_cache, lens, flag, status)
+                               k_cache, v_cache, lens, flag, status, residual, residual_step)
 

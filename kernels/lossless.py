@@ -1,4 +1,4 @@
-"""Triton bookkeeping of the lossless rule: where each row's residual draw happens, and its splice.
+"""Triton bookkeeping of the lossless rule: where each row's residual draw happens, and what it commits.
 
 The lossless rule (one order) draws a residual token at each row's first rejected
 step n (clamped to the last step when every step was accepted). Around that draw,
@@ -7,19 +7,18 @@ position and uniform, the rejection test; then the comparison with the steps, th
 ``where`` that puts the residual token at step n, a cast and a sum for the
 committed count. On a GPU each is a kernel of the replayed burst iteration.
 
-* ``_residual_pick_kernel``, grid (row tiles, column tiles): per row, at the step
-  k, the residual uniform of its position and whether the row rejected, and the
-  two rows the residual is drawn from, copied: the draft
-  logits at the slot and the verifier's row (hidden state or logits) at step k
-  (two gathers, and on CUDA a copy: the draft row is written with the source's
-  padded row stride, the stride of the LM head's rows, so that the residual
-  sampler's q and p rows share one stride as it needs);
-* ``_residual_splice_kernel``, grid (rows, step tiles): the order's tokens with
-  the residual token at step n, and (row tile 0) the committed counts
-  ``n + rejected``.
+``_residual_pick_kernel``, grid (row tiles, column tiles): per row, at the step
+k, the residual uniform of its position and the committed count ``n + rejected``
+(a row rejected when ``n < remaining``), and the two rows the residual is drawn
+from, copied: the draft logits at the slot and the verifier's row (hidden state
+or logits) at step k (two gathers, and on CUDA a copy: the draft row is written
+with the source's padded row stride, the stride of the LM head's rows, so that
+the residual sampler's q and p rows share one stride as it needs). The residual
+token itself is spliced in at step n by the commit (``commit(...,
+residual=, residual_step=)``), so no kernel writes the order's tokens.
 
-Both are integer and copy work, so they are bit-identical to the references.
-Compile once per uniforms dtype: the tiles are fixed, every size and stride is in
+Integer and copy work, so bit-identical to the reference. Compiles once per
+uniforms dtype: the tiles are fixed, every size and stride is in
 ``do_not_specialize``.
 """
 
@@ -29,14 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_residual_pick, check_residual_splice
+from .checks import check_residual_pick
 
 BLOCK_B = 4  # rows per program of the pick
 BLOCK_W = 1024  # row columns per program of the pick's copies
-BLOCK_R = 256  # steps per program of the splice
 
 _PICK = ["B", "R", "s_ob", "s_sb", "s_ub", "W_D", "W_V", "s_db", "s_dr", "s_vb", "s_vr", "s_pd", "s_pv"]
-_SPLICE = ["R", "s_tb"]
 
 
 @triton.jit
@@ -49,7 +46,7 @@ def _copy_rows(SRC, DST, o_b, m_b, row, o_w, W, s_b, s_r, s_out):
 
 @triton.jit(do_not_specialize=_PICK, do_not_specialize_on_alignment=["N", "REM"])
 def _residual_pick_kernel(
-    N, REM, ORD, SLOT, U, DRAFT, VERIFIER, U_OUT, REJ_OUT, D_OUT, V_OUT,
+    N, REM, ORD, SLOT, U, DRAFT, VERIFIER, U_OUT, N_OUT, D_OUT, V_OUT,
     B, R, s_ob, s_sb, s_ub, W_D, W_V, s_db, s_dr, s_vb, s_vr, s_pd, s_pv,
     TILE_B: tl.constexpr, TILE_W: tl.constexpr,
 ):
@@ -63,27 +60,10 @@ def _residual_pick_kernel(
         b_u = tl.load(U + o_b * s_ub + b_pos, mask=m_b, other=0.0)
         b_rej = b_n < tl.load(REM + o_b, mask=m_b, other=0).to(tl.int64)
         tl.store(U_OUT + o_b, b_u, mask=m_b)
-        tl.store(REJ_OUT + o_b, b_rej.to(tl.uint8), mask=m_b)
+        tl.store(N_OUT + o_b, b_n + b_rej.to(tl.int64), mask=m_b)
     o_w = tl.program_id(1).to(tl.int64) * TILE_W + tl.arange(0, TILE_W).to(tl.int64)
     _copy_rows(DRAFT, D_OUT, o_b, m_b, b_slot, o_w, W_D, s_db, s_dr, s_pd)
     _copy_rows(VERIFIER, V_OUT, o_b, m_b, b_k, o_w, W_V, s_vb, s_vr, s_pv)
-
-
-@triton.jit(do_not_specialize=_SPLICE, do_not_specialize_on_alignment=["N", "RTOK", "REJ"])
-def _residual_splice_kernel(
-    TOK, N, RTOK, REJ, TOK_OUT, N_OUT,
-    R, s_tb,
-    TILE_R: tl.constexpr,
-):
-    i_b = tl.program_id(0).to(tl.int64)
-    o_r = tl.program_id(1).to(tl.int64) * TILE_R + tl.arange(0, TILE_R).to(tl.int64)
-    m_r = o_r < R
-    n = tl.load(N + i_b).to(tl.int64)
-    b_tok = tl.load(TOK + i_b * s_tb + o_r, mask=m_r, other=0)
-    b_tok = tl.where(o_r == n, tl.load(RTOK + i_b), b_tok)  # step n: the rejected one, or past the commit
-    tl.store(TOK_OUT + i_b * R + o_r, b_tok, mask=m_r)
-    if tl.program_id(1) == 0:
-        tl.store(N_OUT + i_b, n + tl.load(REJ + i_b).to(tl.int64))
 
 
 def rows_like(src: torch.Tensor) -> torch.Tensor:
@@ -95,41 +75,26 @@ def rows_like(src: torch.Tensor) -> torch.Tensor:
 
 
 def pick_launch(n, remaining, orders, slots, u_residual, drafts, verifier):
-    """Launch the pick (no checks): at step k, the uniform of its position and rejected, (B,) each, then the
-    draft row at its slot (B, V) and the verifier's row at k (B, X)."""
+    """Launch the pick (no checks): at step k, the uniform of its position and the committed count, (B,) each,
+    then the draft row at its slot (B, V) and the verifier's row at k (B, X)."""
     B, R = orders.shape
     device = orders.device
     u = torch.empty(B, dtype=u_residual.dtype, device=device)
-    rejected = torch.empty(B, dtype=torch.bool, device=device)
+    n_commit = torch.empty(B, dtype=torch.int64, device=device)
     d_row, v_row = rows_like(drafts), rows_like(verifier)
     if B == 0:
-        return u, rejected, d_row, v_row
+        return u, n_commit, d_row, v_row
     n, remaining = n.contiguous(), remaining.contiguous()  # read at row b
     drafts, verifier = (t if t.stride(-1) == 1 else t.contiguous() for t in (drafts, verifier))
     W_D, W_V = drafts.shape[2], verifier.shape[2]
     grid = (triton.cdiv(B, BLOCK_B), max(1, triton.cdiv(max(W_D, W_V), BLOCK_W)))
     _residual_pick_kernel[grid](
-        n, remaining, orders, slots, u_residual, drafts, verifier, u, rejected.view(torch.uint8),
+        n, remaining, orders, slots, u_residual, drafts, verifier, u, n_commit,
         d_row, v_row, B, R, orders.stride(0), slots.stride(0), u_residual.stride(0), W_D, W_V,
         *drafts.stride()[:2], *verifier.stride()[:2], d_row.stride(0), v_row.stride(0),
         TILE_B=BLOCK_B, TILE_W=BLOCK_W, num_warps=4,
     )
-    return u, rejected, d_row, v_row
-
-
-def splice_launch(tokens, n, r_tok, rejected):
-    """Launch the splice (no checks): tokens (B, R) with ``r_tok`` at step n, and n + rejected (B,)."""
-    B, R = tokens.shape
-    out = torch.empty(B, R, dtype=tokens.dtype, device=tokens.device)
-    n_commit = torch.empty(B, dtype=torch.int64, device=tokens.device)
-    if B == 0:
-        return out, n_commit
-    n, r_tok, rejected = n.contiguous(), r_tok.contiguous(), rejected.contiguous()  # read at row b
-    _residual_splice_kernel[(B, triton.cdiv(R, BLOCK_R))](
-        tokens, n, r_tok, rejected.view(torch.uint8), out, n_commit, R, tokens.stride(0), TILE_R=BLOCK_R,
-        num_warps=4,
-    )
-    return out, n_commit
+    return u, n_commit, d_row, v_row
 
 
 def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
@@ -138,22 +103,12 @@ def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
     n, remaining: (B,) int64, a row's accepted and remaining counts; orders, slots: (B, R) int64, the
     order's positions and the drafts' slots by step; u_residual: (B, T) float32/float64 by position;
     drafts: (B, R', V) the draft logits by slot; verifier: (B, R, X) the verifier's outputs by step
-    (hidden states or logits). At step k = min(n, R - 1), returns the uniform of its position (B,),
-    rejected = n < remaining (B,) bool, the draft logits at its slot (B, V) and the verifier's row at k
-    (B, X), the rows with their source's row stride when it is padded; from the ``sigmafast::residual_pick``
-    op.
+    (hidden states or logits). At step k = min(n, R - 1), returns the uniform of its position (B,), the
+    committed count n + rejected (B,) int64 (rejected: n < remaining; the residual token then goes at step
+    n), the draft logits at its slot (B, V) and the verifier's row at k (B, X), the rows with their source's
+    row stride when it is padded; from the ``sigmafast::residual_pick`` op.
     """
     check_residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
     from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
 
     return torch.ops.sigmafast.residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier)
-
-
-def residual_splice(tokens, n, r_tok, rejected):
-    """The lossless commit's tokens and count: ``tokens`` (B, R) int64 with ``r_tok`` (B,) int64 at step n
-    (B,) int64 (past the commit, or past R, where the row did not reject), and n + rejected (B,) int64
-    (``rejected``: (B,) bool); from the ``sigmafast::residual_splice`` op."""
-    check_residual_splice(tokens, n, r_tok, rejected)
-    from . import ops  # noqa: F401  (registers torch.ops.sigmafast.*)
-
-    return torch.ops.sigmafast.residual_splice(tokens, n, r_tok, rejected)

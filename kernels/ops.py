@@ -32,14 +32,15 @@ op                                 inputs -> outputs
 ``sigmafast::draft_slots``         known (B, T), uniforms (B, T), keys (B, O, T), R -> positions, uniforms,
                                    used (B, R), remaining (B,), visiting orders (B, O, R)
 ``sigmafast::residual_pick``       n, remaining (B,), orders, slots (B, R), uniforms (B, T), draft
-                                   logits (B, R', V), verifier rows (B, R, X) -> uniform, rejected (B,),
-                                   draft row (B, V), verifier row (B, X): the lossless residual draw
-``sigmafast::residual_splice``     tokens (B, R), n, residual token, rejected (B,) -> tokens, n_commit
+                                   logits (B, R', V), verifier rows (B, R, X) -> uniform, committed
+                                   count (B,), draft row (B, V), verifier row (B, X): the lossless
+                                   residual draw
 ``sigmafast::gather_drafts``       positions, drafts, log-probs (B, R), canvas, known, uniforms (B, T),
                                    orders (B, O, S) -> tokens, log-probs, uniforms, slots (B, O, S)
 ``sigmafast::commit``              orders, choice, n, tokens, keys, values, flag () and status (3,) or
-                                   None -> None; writes the canvas, known, last token/position, KV
-                                   caches and lens, and the burst status after them into status
+                                   None, residual token and step (B,) or None -> None; writes the
+                                   canvas, known, last token/position, KV caches and lens, and the burst
+                                   status after them into status
 ``sigmafast::flag_nonfinite``      values (..., N), used (broadcast to ...) or None, flag () -> None;
                                    sets flag when a used row is not finite
 ``sigmafast::plan_step``           steps (W, B, T), step () -> (W, B) column step; advances step
@@ -69,7 +70,6 @@ from .along import launch as gather_drafts_launch
 from .slots import launch as draft_slots_launch
 from .lossless import pick_launch as residual_pick_launch
 from .lossless import rows_like
-from .lossless import splice_launch as residual_splice_launch
 from .rotary import launch as rotary_launch
 from .reference import rotary_ as rotary_reference
 from .commit_step import launch as commit_launch
@@ -242,17 +242,7 @@ def _residual_pick(n: Tensor, remaining: Tensor, orders: Tensor, slots: Tensor, 
 @_residual_pick.register_fake
 def _(n, remaining, orders, slots, u_residual, drafts, verifier):
     B = orders.shape[0]
-    return u_residual.new_empty(B), orders.new_empty(B, dtype=torch.bool), rows_like(drafts), rows_like(verifier)
-
-
-@torch.library.custom_op("sigmafast::residual_splice", mutates_args=())
-def _residual_splice(tokens: Tensor, n: Tensor, r_tok: Tensor, rejected: Tensor) -> tuple[Tensor, Tensor]:
-    return residual_splice_launch(tokens, n, r_tok, rejected)
-
-
-@_residual_splice.register_fake
-def _(tokens, n, r_tok, rejected):
-    return tokens.new_empty(tokens.shape), tokens.new_empty(tokens.shape[0], dtype=torch.int64)
+    return u_residual.new_empty(B), orders.new_empty(B, dtype=torch.int64), rows_like(drafts), rows_like(verifier)
 
 
 @torch.library.custom_op("sigmafast::draft_slots", mutates_args=())
@@ -287,14 +277,15 @@ def _(positions, tokens, logp, canvas, known, uniforms, orders):
                                        "status"))
 def _commit(orders: Tensor, choice: Tensor, n: Tensor, tokens: Tensor, keys: Tensor, values: Tensor, canvas: Tensor,
             known: Tensor, last_tok: Tensor, last_pos: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
-            flag: Optional[Tensor], status: Optional[Tensor]) -> None:
+            flag: Optional[Tensor], status: Optional[Tensor], residual: Optional[Tensor],
+            residual_step: Optional[Tensor]) -> None:
     commit_launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
-                  flag, status)
+                  flag, status, residual, residual_step)
 
 
 @_commit.register_fake
 def _(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens, flag,
-      status):
+      status, residual, residual_step):
     return None
 
 
@@ -320,5 +311,5 @@ def _(steps, step):
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
        "decide", "add_layer_norm", "linear_add_norm", "mlp_add_norm", "feed_embedding", "rotary_", "draft_slots",
-       "gather_drafts", "residual_pick", "residual_splice", "commit", "flag_nonfinite",
+       "gather_drafts", "residual_pick", "commit", "flag_nonfinite",
        "plan_step")

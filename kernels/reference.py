@@ -226,7 +226,7 @@ def append_kv(k_cache, v_cache, lens, k_new, v_new, n) -> None:
 
 
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache,
-           lens, flag=None, status=None) -> None:
+           lens, flag=None, status=None, residual=None, residual_step=None) -> None:
     """Append the first ``n[b]`` steps of order ``choice[b]`` to a session's buffers, in place.
 
     orders: (B, O, R) positions; choice, n: (B,) (0 <= n <= R); tokens: (B, R), the chosen order's
@@ -234,10 +234,14 @@ def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, 
     verification's inputs. Writes the tokens into canvas (B, T) and known, the keys and values after
     ``lens`` into the caches (n_layer, B, H, L + 1, D), advances ``lens`` and sets last_tok, last_pos (B,)
     to step ``n[b] - 1`` where n[b] > 0. With a (3,) ``status`` and the () bool ``flag``, then writes
-    :func:`burst_status` of the new known mask into ``status``.
+    :func:`burst_status` of the new known mask into ``status``. With (B,) ``residual`` tokens and their
+    ``residual_step``, the token committed at that step (when below n) is the residual one (the lossless
+    rule's draw at its first rejected step).
     """
     B, O, R = orders.shape
     chosen, tokens = chosen_order(orders, choice), chosen_order(tokens, choice)  # (B, R) each
+    if residual is not None:
+        tokens = splice(tokens, residual_step, residual)
     write_canvas(canvas, known, chosen, n, tokens)
     if O == 1:
         k, v = keys[:, :, 0], values[:, :, 0]  # (n_layer, B, H, R, D) views
@@ -388,12 +392,13 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0) -> None:
 
 def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier):
     """The lossless rule's residual draw of each row at step k = min(n, R - 1) of the (B, R) order: the (B, T)
-    uniform at its position, whether the row rejected (n < remaining), and the rows the residual is drawn
-    from: the (B, R', V) draft logits at the step's slot and the (B, R, X) verifier's at k."""
+    uniform at its position, the committed count n + rejected (a row rejected when n < remaining: the
+    residual token then goes at step n), and the rows the residual is drawn from: the (B, R', V) draft
+    logits at the step's slot and the (B, R, X) verifier's at k."""
     k = n.clamp(max=orders.shape[1] - 1)[:, None]  # (B, 1)
     u = u_residual.gather(1, orders.gather(1, k)).squeeze(1)
     slot = slots.gather(1, k).squeeze(1)
-    return u, n < remaining, rows_at(drafts, slot), rows_at(verifier, k.squeeze(1))
+    return u, n + (n < remaining).long(), rows_at(drafts, slot), rows_at(verifier, k.squeeze(1))
 
 
 def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -401,10 +406,10 @@ def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1])).squeeze(1)
 
 
-def residual_splice(tokens, n, r_tok, rejected):
-    """``tokens`` (B, R) with ``r_tok`` at step n (none when n >= R), and the committed counts n + rejected."""
-    at_n = torch.arange(tokens.shape[1], device=n.device)[None, :] == n[:, None]  # (B, R)
-    return torch.where(at_n, r_tok[:, None], tokens), n + rejected.long()
+def splice(tokens, step, tok):
+    """``tokens`` (B, R) with ``tok`` (B,) at ``step`` (B,) (none where step is outside [0, R))."""
+    at = torch.arange(tokens.shape[1], device=step.device)[None, :] == step[:, None]  # (B, R)
+    return torch.where(at, tok[:, None], tokens)
 
 
 def draft_slots(known, uniforms, keys, R: int):

@@ -249,7 +249,7 @@ def check_flag_nonfinite(values, used, flag, dtypes: tuple = REFERENCE_DTYPES) -
 
 
 def check_commit(orders, choice, n, tokens, keys, values, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,
-                 flag=None, status=None) -> None:
+                 flag=None, status=None, residual=None, residual_step=None) -> None:
     """The arguments of ``commit`` (see :func:`commit_step.commit`): every size and stride, no value."""
     if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
         raise ValueError(f"orders must be a (B, O, R) tensor, got {getattr(orders, 'shape', type(orders))}")
@@ -295,3 +295,10 @@ def check_commit(orders, choice, n, tokens, keys, values, canvas, known, last_to
         if not isinstance(status, torch.Tensor) or status.shape != (3,) or status.dtype != torch.int64 \
                 or status.device != device or not status.is_contiguous():
             raise ValueError(f"status must be a contiguous (3,) int64 tensor on {device}, got {describe(status)}")
+    if (residual is None) != (residual_step is None):
+        raise ValueError("residual and residual_step must be given together (the token and the step it goes at)")
+    if residual is not None:
+        for name, t in (("residual", residual), ("residual_step", residual_step)):
+            check_int(name, t, (B,), device)
+        if residual.dtype != torch.int64:
+            raise ValueError(f"residual must be int64 (the tokens' dtype), got {residual.dtype}")

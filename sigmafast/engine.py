@@ -334,9 +334,11 @@ class NeuralSession:
         return Verified(orders, hidden, None, torch.stack(keys), torch.stack(values))
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
-               status: Optional[torch.Tensor] = None) -> None:
+               status: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+               residual_step: Optional[torch.Tensor] = None) -> None:
         """Keep the first ``n[b]`` steps of order ``choice[b]`` of ``verified``: write their tokens
-        ``tokens[b, :n[b]]`` ((B, R), or (B, O, R) read at order ``choice[b]``) into the canvas, append
+        ``tokens[b, :n[b]]`` ((B, R), or (B, O, R) read at order ``choice[b]``; with (B,) ``residual``
+        tokens, ``residual[b]`` at step ``residual_step[b]`` instead) into the canvas, append
         their inputs' keys and values (never recomputed) and make step ``n[b] - 1`` the last token; into a
         (3,) int64 ``status``, also the burst status after it (``kernels.reference.burst_status`` of the
         known mask and ``nonfinite``). One fused op on the Triton path (two kernels instead of about 35
@@ -344,4 +346,5 @@ class NeuralSession:
         kernels.commit(verified.orders, choice, n, tokens, verified.keys, verified.values, canvas=self.canvas,
                        known=self.known, last_tok=self.last_tok, last_pos=self.last_pos, k_cache=self.cache.k,
                        v_cache=self.cache.v, lens=self.cache.lens, flag=None if status is None else self.nonfinite,
-                       status=status, backend="reference" if traced() else self.backend)
+                       status=status, residual=residual, residual_step=residual_step,
+                       backend="reference" if traced() else self.backend)

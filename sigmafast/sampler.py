@@ -12,9 +12,11 @@ KV-cached adapter (:mod:`sigmafast.engine`) or an exact task oracle
     session.draft(positions (B, R)) -> (B, R, V)            # p(x_j | visited) for each j
     session.verify(orders (B, O, R), drafts (B, O, R)) -> Verified
         # step k of order o: q(x_ok | visited, x̃_o0 … x̃_o(k-1)), as logits or hidden states
-    session.commit(verified, choice (B,), n (B,), tokens (B, R) or (B, O, R), status=None)
+    session.commit(verified, choice (B,), n (B,), tokens (B, R) or (B, O, R), status=None,
+                   residual=None, residual_step=None)
         # keeps order choice[b]'s first n[b] steps; status: None or a (3,) int64 buffer for the burst
-        # status after it (largest unknown count, rows left, nonfinite)
+        # status after it (largest unknown count, rows left, nonfinite); residual (B,): the lossless
+        # rule's token, committed at step residual_step[b] instead of the draft
     session.select(rows (B',))                              # keep only these rows (drop finished ones)
 
 The steps themselves are :mod:`sigmafast.steps` (static shapes, no host

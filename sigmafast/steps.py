@@ -164,15 +164,16 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
     """Lossless rule (one order): at the first rejection (step n < remaining) draw from
     normalize(max(0, q - p)).
 
-    Returns the (B,) residual tokens and the (B,) bool mask of rows that rejected."""
+    Returns the (B,) residual tokens and the (B,) committed counts n + rejected (the residual token goes at
+    step n where the row rejected)."""
     # at step k (the rejected one, the last one where none was: unused): its uniform, the draft's logits row
     # (B, V) and the verifier's row (B, C or V)
-    u, rejected, p_rows, v_rows = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0],
+    u, n_commit, p_rows, v_rows = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0],
                                                         u_residual, drafts.logits, outputs(verified)[:, 0],
                                                         backend=_backend(session))
     q_rows = verifier_logits(session, verified, v_rows)  # (B, V): the head's row stride, as the Triton pick's p_rows
     tok = kernels.residual_sample(q_rows, p_rows, u, temperature, top_k, backend=_backend(session))
-    return tok, rejected
+    return tok, n_commit
 
 
 def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Optional[int],
@@ -200,16 +201,15 @@ def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Option
         kernels.flag_nonfinite(scores, used[:, None, :], bad, backend=backend)
     res = accept(session, verified, along, remaining, temperature, top_k, rule, bad if fused else None)
     choice = res.best  # (B,) lossless: 0, the only order
+    status = remaining.new_empty(3)  # written by the commit: the known mask after it and the flag
     if rule == "paper":
         n = n_commit = res.n_best  # (B,)
-        new_tok = along.tokens  # (B, O, R): the commit reads the chosen order's
+        session.commit(verified, choice, n_commit, along.tokens, status)  # (B, O, R): it reads the chosen order's
     else:  # lossless: one order, and the residual token at the first rejected step
         n = res.n_accept[:, 0]
-        r_tok, rejected = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)
+        r_tok, n_commit = residual(session, verified, drafts, along, n, remaining, d.u_residual, temperature, top_k)
         # at step n: the rejected one, or one past the commit when every step was accepted (never written)
-        new_tok, n_commit = kernels.residual_splice(along.tokens[:, 0], n, r_tok, rejected, backend=_backend(session))
-    status = remaining.new_empty(3)  # written by the commit: the known mask after it and the flag
-    session.commit(verified, choice, n_commit, new_tok, status)
+        session.commit(verified, choice, n_commit, along.tokens[:, 0], status, residual=r_tok, residual_step=n)
     return n_commit, n, status
 
 

@@ -177,7 +177,6 @@ def test_generate_compiles_each_kernel_at_most_twice(pos_encoding):
                         "_sample_kernel", "_residual_kernel", "_commit_kv_kernel", "_commit_state_kernel",
                         "_linear_add_norm_kernel", "_mlp_add_norm_kernel", "_decide_kernel", "_feed_embedding_kernel",
                         "_flag_nonfinite_kernel", "_gather_drafts_kernel",
-                        "_draft_slots_kernel", "_residual_pick_kernel",
-                        "_residual_splice_kernel"]
+                        "_draft_slots_kernel", "_residual_pick_kernel"]
                     + (["_rotary_kernel"] if pos_encoding == "rope-v" else []))
     assert {"_lm_head_finish_kernel", "_logq_finish_kernel"} & set(v.counts()), "no draft was scored"

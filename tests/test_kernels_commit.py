@@ -138,6 +138,42 @@ def test_commit_writes_the_status_of_an_empty_batch():
     assert status.tolist() == [0, 0, 1]
 
 
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_commit_splices_in_the_residual_token(case):
+    """With a residual token and its step per row (the lossless rule's draw at its first rejected step), the
+    step's token is the residual one when the step is below n (the last token too when it is step n - 1),
+    and nothing else changes: against the reference, and independently. Half the rows put it at step n - 1,
+    the others anywhere in [0, R + 1]."""
+    for seed in range(3):
+        args, state = _state(case, seed, torch.float32)
+        orders, choice, n, tokens = args[:4]
+        B, O, R = orders.shape
+        g = torch.Generator().manual_seed(seed + 20)
+        step = torch.where(torch.rand(B, generator=g) < 0.5, (n.cpu() - 1).clamp_min(0),
+                           torch.randint(0, R + 2, (B,), generator=g)).to(DEVICE)
+        residual = torch.randint(1000, 2000, (B,), generator=g).to(DEVICE)
+        if seed == 2:  # every other element of a (B, 2) buffer holding garbage elsewhere
+            step, residual = (torch.stack([t, torch.full_like(t, -5)], dim=1)[:, 0] for t in (step, residual))
+        plain, want, got = _copy(state), _copy(state), _copy(state)
+        ref.commit(*args, **want, residual=residual, residual_step=step)
+        commit_step.commit(*args, **got, residual=residual, residual_step=step)
+        ref.commit(*args, **plain)
+        for name in ("canvas", "known", "last_tok", "last_pos", "lens"):
+            assert torch.equal(got[name].cpu(), want[name].cpu()), name
+        for name in ("k_cache", "v_cache"):
+            torch.testing.assert_close(got[name][..., :T, :].cpu(), plain[name][..., :T, :].cpu(), rtol=0, atol=0,
+                                       equal_nan=True, msg=name)
+        pos = ref.chosen_order(orders, choice).gather(1, step.clamp(max=R - 1)[:, None]).squeeze(1)
+        rows = torch.arange(B, device=DEVICE)
+        hit = step < n
+        assert torch.equal(got["canvas"][rows, pos][hit], residual[hit])
+        expect = plain["canvas"].clone()
+        expect[rows[hit], pos[hit]] = residual[hit]
+        assert torch.equal(got["canvas"], expect)
+        last = hit & (step == n - 1)
+        assert torch.equal(got["last_tok"], torch.where(last, residual, plain["last_tok"]))
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] > 1], ids=_ids)
 def test_commit_reads_the_chosen_orders_tokens_from_every_orders(case):
     """(B, O, R) tokens (the paper rule passes every order's): row b commits those of order ``choice[b]``,
@@ -196,6 +232,12 @@ def test_commit_writes_the_chosen_rows_where_the_reference_says():
     (dict(flag=torch.zeros((), dtype=torch.bool), status=torch.zeros(3)), "status must be a contiguous"),
     (dict(flag=torch.zeros((), dtype=torch.bool), status=torch.zeros(4, dtype=torch.long)), "status must be"),
     (dict(flag=torch.zeros((), dtype=torch.bool), status=torch.zeros(6, dtype=torch.long)[::2]), "status must be"),
+    (dict(residual=torch.zeros(2, dtype=torch.long)), "residual and residual_step must be given together"),
+    (dict(residual=torch.zeros(2), residual_step=torch.zeros(2, dtype=torch.long)), "residual must be"),
+    (dict(residual=torch.zeros(2, dtype=torch.int32), residual_step=torch.zeros(2, dtype=torch.long)),
+     "residual must be int64"),
+    (dict(residual=torch.zeros(2, dtype=torch.long), residual_step=torch.zeros(3, dtype=torch.long)),
+     "residual_step must be"),
 ])
 def test_commit_rejects_bad_inputs(bad, match):
     B, O, R, D, T_ = 2, 2, 3, 16, 9

@@ -180,7 +180,8 @@ def test_explicit_backend_argument(name, monkeypatch):
 
 
 def _commit_sample(g: torch.Generator) -> tuple:
-    """Arguments of ``sigmafast::commit``: 2 rows, 3 orders of 4 steps, a 2-layer cache of 10 + 1 slots."""
+    """Arguments of ``sigmafast::commit``: 2 rows, 3 orders of 4 steps, a 2-layer cache of 10 + 1 slots, and a
+    residual token at step 3 of row 0."""
     B, O, R, T, D = 2, 3, 4, 10, 16
     qkv = torch.randn(2, B, O, R, 3 * 2 * D, generator=g)  # (n_layer, B, O, R, 3C), H = 2
     kv = qkv[..., 2 * D:].unflatten(-1, (2, 2, D)).permute(4, 0, 1, 2, 5, 3, 6)
@@ -188,7 +189,8 @@ def _commit_sample(g: torch.Generator) -> tuple:
                 torch.randint(0, 9, (B, R), generator=g), kv[0], kv[1], torch.zeros(B, T, dtype=torch.long),
                 torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
                 torch.zeros(2, B, 2, T + 1, D), torch.zeros(2, B, 2, T + 1, D), torch.tensor([0, 6]),
-                torch.ones((), dtype=torch.bool), torch.zeros(3, dtype=torch.long))
+                torch.ones((), dtype=torch.bool), torch.zeros(3, dtype=torch.long), torch.tensor([40, 41]),
+                torch.tensor([3, 0]))
 
 
 def test_kernels_are_custom_ops():
@@ -248,8 +250,6 @@ def test_kernels_are_custom_ops():
         "residual_pick": tuple(_dev(torch.tensor([1, 3]), torch.tensor([2, 3]), torch.tensor([[4, 0, 2], [1, 3, 0]]),
                                     torch.tensor([[0, 2, 1], [2, 0, 1]]), torch.rand(2, 5, generator=g),
                                     torch.randn(2, 3, 16, generator=g)[..., :9], torch.randn(2, 3, 4, generator=g))),
-        "residual_splice": tuple(_dev(torch.tensor([[4, 0, 2], [1, 3, 0]]), torch.tensor([1, 3]),
-                                      torch.tensor([7, 8]), torch.tensor([True, False]))),
     }
     assert set(samples) == set(ops.OPS)
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
@@ -375,8 +375,6 @@ def _bad_calls():
         ("pick-n-shape", lambda b: kernels.residual_pick(pos[:1, 0], pos[:, 0], pos, pos, u_pos, x.view(2, 2, 10),
                                                          x.view(2, 2, 10), backend=b), ValueError,
          "n must be an int32/int64"),
-        ("splice-rejected-int", lambda b: kernels.residual_splice(pos, pos[:, 0], pos[:, 0], pos[:, 0], backend=b),
-         ValueError, "rejected must be"),
     ]
 
 

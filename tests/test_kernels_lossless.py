@@ -1,4 +1,5 @@
-"""Triton lossless bookkeeping (kernels/lossless.py) against kernels/reference.py.
+"""Triton lossless pick (kernels/lossless.py) against kernels/reference.py (the splice of the residual token is the
+commit's: tests/test_kernels_commit.py).
 
 Outputs come pre-filled with garbage (``poisoned_empty``). Everything is integer or copied, so every output
 is compared exactly.
@@ -14,9 +15,8 @@ from sigmafast.kernels import lossless
 from sigmafast.kernels import reference as ref
 
 residual_pick = on_triton_device(lossless.residual_pick)
-residual_splice = on_triton_device(lossless.residual_splice)
 
-# (B, R, T): rows over one program's tile (64), steps over one program's tile (256), one step, R = T
+# (B, R, T): one row and step, rows over many programs (4 rows each), long orders, R = T
 CASES = [(1, 1, 1), (3, 5, 9), (70, 16, 40), (2, 300, 300), (5, 7, 7)]
 
 
@@ -40,7 +40,7 @@ def _inputs(case, seed: int, u_dtype=torch.float64, V=37, X=20):
     return n, remaining, orders, slots, u, drafts, verifier
 
 
-PICKED = ("u", "rejected", "draft_row", "verifier_row")
+PICKED = ("u", "n_commit", "draft_row", "verifier_row")
 
 
 @pytest.mark.parametrize("u_dtype", [torch.float32, torch.float64], ids=["u32", "u64"])
@@ -65,38 +65,20 @@ def test_residual_pick_keeps_the_padded_row_stride(poisoned_empty):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_residual_splice_matches_reference(case, poisoned_empty):
-    B, R, T = case
-    for seed in range(3):
-        n, remaining, *_ = _inputs(case, seed)
-        g = torch.Generator().manual_seed(seed + 10)
-        tokens = torch.randint(0, 50, (B, 2, R), generator=g)[:, 1]  # a strided (B, R) view
-        r_tok = torch.randint(100, 150, (B,), generator=g)
-        rejected = n < remaining
-        got, want = residual_splice(tokens, n, r_tok, rejected), ref.residual_splice(tokens, n, r_tok, rejected)
-        for name, g_, w in zip(("tokens", "n_commit"), got, want):
-            assert g_.dtype == w.dtype and torch.equal(g_, w), name
-
-
-def test_residual_pick_and_splice_by_hand():
+def test_residual_pick_by_hand():
     """Row 0 rejected at step 1; row 1 accepted all 3 of its 3 remaining steps (R = 3: the draw happens at
     the clamped step 2 and is never committed); row 2 accepted both of its 2 remaining steps in R = 3."""
     orders = torch.tensor([[4, 0, 2], [1, 3, 0], [2, 4, 1]])
     slots = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 0, 2]])
     n, remaining = torch.tensor([1, 3, 2]), torch.tensor([3, 3, 2])
     u = torch.arange(15, dtype=torch.float32).view(3, 5) / 15
-    u_k, rejected, d_row, v_row = residual_pick(n, remaining, orders, slots, u,
+    u_k, n_commit, d_row, v_row = residual_pick(n, remaining, orders, slots, u,
                                                 torch.arange(3 * 3 * 2.0).view(3, 3, 2),
                                                 torch.arange(3 * 3 * 4.0).view(3, 3, 4))
     assert d_row.tolist() == [[2, 3], [8, 9], [16, 17]]  # the steps' slots: 1 of row 0, 1 of row 1, 2 of row 2
     assert v_row.tolist() == [[4, 5, 6, 7], [20, 21, 22, 23], [32, 33, 34, 35]]  # steps 1, 2, 2
     assert u_k.tolist() == [u[0, 0].item(), u[1, 0].item(), u[2, 1].item()]
-    assert rejected.tolist() == [True, False, False]
-    tokens = torch.tensor([[7, 8, 9], [7, 8, 9], [7, 8, 9]])
-    new, n_commit = residual_splice(tokens, n, torch.tensor([50, 51, 52]), rejected)
-    assert new.tolist() == [[7, 50, 9], [7, 8, 9], [7, 8, 52]]  # row 2: step 2 is past its commit
-    assert n_commit.tolist() == [2, 3, 2]
+    assert n_commit.tolist() == [2, 3, 2]  # row 0: its accepted step and the residual token at step 1
 
 
 def _pick(R=3, B_n=2, u=None, drafts=None, verifier=None):
@@ -117,14 +99,8 @@ def _pick(R=3, B_n=2, u=None, drafts=None, verifier=None):
         (lambda: _pick(drafts=torch.zeros(3, 3, 5)), "drafts must be a \\(2, R, W\\)"),
         (lambda: _pick(verifier=torch.zeros(2, 4, 5)), "verifier must be a \\(2, 3, W\\)"),
         (lambda: _pick(verifier=torch.zeros(2, 3, 0)), "verifier must be .* W >= 1"),
-        (lambda: lossless.residual_splice(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long),
-                                          torch.zeros(2, dtype=torch.long), torch.zeros(2)), "rejected must be"),
-        (lambda: lossless.residual_splice(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long),
-                                          torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)),
-         "tokens must be"),
     ],
-    ids=["R0", "n-shape", "u-fp16", "drafts-rows", "verifier-steps", "verifier-empty", "rejected-float",
-         "tokens-float"],
+    ids=["R0", "n-shape", "u-fp16", "drafts-rows", "verifier-steps", "verifier-empty"],
 )
 def test_lossless_ops_reject_bad_input(call, match):
     with pytest.raises(ValueError, match=match):

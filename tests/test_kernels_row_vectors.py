@@ -58,9 +58,6 @@ def _cases():
     n, rem = torch.tensor([0, 4, 2], device=DEVICE), torch.tensor([3, 4, 5], device=DEVICE)
     rows = torch.randn(B, R, 7, generator=g).to(DEVICE)
     yield "residual_pick", lambda a, b: lossless.residual_pick(a, b, ords, slots, uu, rows, rows), (n, rem)
-    toks = torch.randint(0, 50, (B, R), generator=g).to(DEVICE)
-    r_tok, rej = torch.tensor([60, 61, 62], device=DEVICE), torch.tensor([True, False, True], device=DEVICE)
-    yield "residual_splice", lambda a, b, c: lossless.residual_splice(toks, a, b, c), (n, r_tok, rej)
 
 
 CASES = list(_cases())

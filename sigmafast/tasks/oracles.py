@@ -90,14 +90,18 @@ class OracleSession:
         return Verified(orders, None, self.oracle.logits(self.canvas, self.known, orders, drafts), None, None)
 
     def commit(self, verified: Verified, choice: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor,
-               status: Optional[torch.Tensor] = None) -> None:
-        """Write the first ``n[b]`` tokens of order ``choice[b]`` ((B, R), or (B, O, R): every order's) into the
-        canvas: the conditionals read it; into a (3,) int64 ``status``, also the burst status after it."""
-        chosen_order = kernels.reference.chosen_order
-        kernels.reference.write_canvas(self.canvas, self.known, chosen_order(verified.orders, choice), n,
-                                       chosen_order(tokens, choice))
+               status: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+               residual_step: Optional[torch.Tensor] = None) -> None:
+        """Write the first ``n[b]`` tokens of order ``choice[b]`` ((B, R), or (B, O, R): every order's; with (B,)
+        ``residual`` tokens, ``residual[b]`` at step ``residual_step[b]`` instead) into the canvas: the
+        conditionals read it; into a (3,) int64 ``status``, also the burst status after it."""
+        ref = kernels.reference
+        tokens = ref.chosen_order(tokens, choice)  # (B, R)
+        if residual is not None:
+            tokens = ref.splice(tokens, residual_step, residual)
+        ref.write_canvas(self.canvas, self.known, ref.chosen_order(verified.orders, choice), n, tokens)
         if status is not None:
-            status.copy_(kernels.reference.burst_status(self.known, self.nonfinite))
+            status.copy_(ref.burst_status(self.known, self.nonfinite))
 
 
 class ProductOracle(Oracle):
