@@ -5,7 +5,8 @@ twice) by thousands of (row block, chunk) programs, plus one chunk per row:
 
 * ``_chunk_stats_kernel`` (vocab.py): per (row, chunk) the max and sum of
   ``exp(x - max)`` of the processed logits (temperature, top-k threshold from
-  ``topk.threshold``); residual: for q's and p's rows in one launch;
+  ``topk.threshold``, which takes q's and p's rows in the same launches);
+  residual: for q's and p's rows in one launch;
 * residual only, ``_residual_mass_kernel`` (vocab.py): per (row, chunk) the
   masses of ``max(0, q - p)`` and of q (the row log-sum-exps come from the
   partials);
@@ -172,8 +173,8 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None, used=
         p_logits = aligned_rows(p_logits, cfg.unit)
         if row_stride(p_logits) != row_stride(q_logits):
             q_logits, p_logits = q_logits.contiguous(), p_logits.contiguous()
-    kq = threshold(q_logits, top_k, block_v)
-    kp = threshold(p_logits, top_k, block_v) if residual else None
+    kth = threshold(q_logits, top_k, block_v, more=p_logits)  # (N,), or (2N,) for q's and p's rows in one go
+    kq, kp = (kth[:N], kth[N:]) if residual and kth is not None else (kth, None)
     tokens = torch.empty(N, dtype=torch.int64, device=q_logits.device)
     logp = None if residual else torch.empty(N, dtype=torch.float32, device=q_logits.device)
     if N == 0:

@@ -79,7 +79,6 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .utils import row_stride
 from .vocab import (aligned_rows, in_rows, is_interior, row_window, split_config, stream_grid, stream_load,
                     stream_tile, window_masks)
 
@@ -134,21 +133,22 @@ def bisect_keys(b_key, k, ROWS: tl.constexpr, BITS: tl.constexpr):
     return prefix
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "V", "NC", "NT", "n_tiles"])
+@triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "NC", "NT", "n_tiles"])
 def _chunk_max_kernel(
-    X, CMAX, s_x, N, V, NC, NT, n_tiles,
+    X, Y, CMAX, s_x, N, N_X, V, NC, NT, n_tiles,
     BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """(N, NC) int32 bits of the max key of each CHUNK-column window chunk (0 where it holds no column). The
-    (row, window tile of BLOCK_V columns) tiles are streamed as in ``vocab._chunk_stats_kernel``: each program
-    loads its next tile before it reduces the current one."""
+    """(N, NC) int32 bits of the max key of each CHUNK-column window chunk (0 where it holds no column) of the
+    N_X rows of X, then the N - N_X rows of Y. The (row, window tile of BLOCK_V columns) tiles are streamed as
+    in ``vocab._chunk_stats_kernel``: each program loads its next tile before it reduces the current one."""
     s_x = s_x * STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
-    b_raw = stream_load(X, t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)  # one row per tile: N row blocks
+    b_raw = stream_load(X, t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK, Y, N_X, N_X)  # one row per row block
     for _ in range(t, n_tiles, step):
-        b_next = stream_load(X, t + step, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)
-        o_n64, m_n, p, o_b, _, r_shift, _, interior, _ = stream_tile(t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK)
+        b_next = stream_load(X, t + step, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK, Y, N_X, N_X)
+        o_n64, m_n, p, o_b, _, r_shift, _, interior, _ = stream_tile(t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK,
+                                                                     N_X, N_X)
         o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
         b_key = order_key32(b_raw.to(tl.float32))
         if not interior:
@@ -172,22 +172,32 @@ def _pivot_kernel(CMAX, T0, COUNT, N, NC, top_k, BLOCK_N: tl.constexpr, NC_PAD: 
     tl.store(COUNT + o_n64, tl.zeros([BLOCK_N], tl.int32), mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "V", "NC"])
+@triton.jit
+def pair_row(X, Y, n, N_X):
+    """Row n of the rows of X (n < N_X) followed by those of Y: its tensor's pointer and its (1,) row there
+    (uniform: one row per program, so the loads keep their vector width)."""
+    second = n >= N_X
+    return tl.where(second, Y, X), n - tl.where(second, N_X, 0) + tl.arange(0, 1)
+
+
+@triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "NC"])
 def _collect_kernel(
-    X, CMAX, T0, COUNT, CAND, s_x, N, V, NC,
+    X, Y, CMAX, T0, COUNT, CAND, s_x, N, N_X, V, NC,
     CHUNK: tl.constexpr, CAP: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Append the keys >= t0 of chunks [32 p, 32 p + 32) of row n to the row's (CAP,) candidates (the count
-    goes on past CAP), loading only the chunks whose max is >= t0: a loop over the set bits of their mask."""
+    """Append the keys >= t0 of chunks [32 p, 32 p + 32) of row n (of X's N_X rows then Y's) to the row's
+    (CAP,) candidates (the count goes on past CAP), loading only the chunks whose max is >= t0: a loop over
+    the set bits of their mask."""
     n = tl.program_id(0).to(tl.int64)
     o_n64 = n + tl.arange(0, 1)  # (1,) this row
     m_n = o_n64 < N
+    X, o_r64 = pair_row(X, Y, n, N_X)
     t0 = tl.load(T0 + n).to(tl.uint32, bitcast=True)
     o_j = tl.arange(0, 32)
     o_c = tl.program_id(1) * 32 + o_j
     b_cm = tl.load(CMAX + n * NC + o_c, mask=o_c < NC, other=0).to(tl.uint32, bitcast=True)
     bits = tl.sum(tl.where(b_cm >= t0, tl.full([32], 1, tl.uint32) << o_j.to(tl.uint32), 0), 0)  # uniform
-    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)
+    o_base, r_shift, end = row_window(o_r64, s_x * STRIDE_UNIT, V, ALIGN)
     p_cnt = tl.broadcast_to(COUNT + o_n64[:, None], [1, CHUNK])
     while bits != 0:  # about k of a row's NC chunks qualify
         low = bits & (0 - bits)  # the lowest set bit; its float's exponent is its index
@@ -222,17 +232,20 @@ def bisect_row(X, o_n64, m_n, s_x, V, k, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.c
     return prefix
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "V", "top_k"])
+@triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "top_k"])
 def _cand_select_kernel(
-    X, CAND, COUNT, OUT, s_x, N, V, top_k,
+    X, Y, CAND, COUNT, OUT, s_x, N, N_X, V, top_k,
     CAP: tl.constexpr, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, BITS: tl.constexpr,
 ):
-    """Each row's k-th largest value: of its candidates, or of its whole row when they overflowed CAP."""
-    o_n64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,) this row
+    """Each row's k-th largest value: of its candidates, or of its whole row (of X's N_X rows then Y's) when
+    they overflowed CAP."""
+    n = tl.program_id(0).to(tl.int64)
+    o_n64 = n + tl.arange(0, 1)  # (1,) this row
     m_n = o_n64 < N
     count = tl.load(COUNT + o_n64, mask=m_n, other=0)
     if tl.max(count) > CAP:  # uniform: one row per program
-        prefix = bisect_row(X, o_n64, m_n, s_x, V, top_k, SCAN_V, STRIDE_UNIT, ALIGN, BITS)
+        X, o_r64 = pair_row(X, Y, n, N_X)
+        prefix = bisect_row(X, o_r64, m_n, s_x, V, top_k, SCAN_V, STRIDE_UNIT, ALIGN, BITS)
     else:
         o_s = tl.arange(0, CAP)[None, :]
         b_key = tl.load(CAND + o_n64[:, None] * CAP + o_s, mask=o_s < count[:, None], other=0)
@@ -240,17 +253,19 @@ def _cand_select_kernel(
     tl.store(OUT + o_n64, low_filled(prefix.to(tl.int64), 32 - BITS), mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "V", "shift"])
+@triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "shift"])
 def _radix_hist_kernel(
-    X, PREFIX, HIST, s_x, N, V, shift,
+    X, Y, PREFIX, HIST, s_x, N, N_X, V, shift,
     BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Add the histogram of key digit ``(key >> shift) & 255`` of chunk c of row n, over the keys whose
-    bits above ``shift + 8`` equal the row's prefix, into the row's (256,) counts."""
-    o_n64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,) this row
+    """Add the histogram of key digit ``(key >> shift) & 255`` of chunk c of row n (of X's N_X rows then
+    Y's), over the keys whose bits above ``shift + 8`` equal the row's prefix, into the row's (256,) counts."""
+    n = tl.program_id(0).to(tl.int64)
+    o_n64 = n + tl.arange(0, 1)  # (1,) this row
     c = tl.program_id(1)
     m_n = o_n64 < N
-    o_base, r_shift, end = row_window(o_n64, s_x * STRIDE_UNIT, V, ALIGN)  # (1,) each
+    X, o_r64 = pair_row(X, Y, n, N_X)
+    o_base, r_shift, end = row_window(o_r64, s_x * STRIDE_UNIT, V, ALIGN)  # (1,) each
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
     prefix = tl.load(PREFIX + o_n64).to(tl.uint32)[:, None]  # (1, 1) resolved key bits (int64 in [0, 2^32))
     high = ~((tl.full((), 2, tl.uint32) << (shift + DIGIT_BITS - 1)) - 1)  # the bits above the digit (0 at first)
@@ -301,37 +316,53 @@ def prefilter_config(V: int, dtype: torch.dtype, top_k: int, block_v: Optional[i
 
 
 def kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None, chunk: Optional[int] = None,
-                cap: int = CAP, chunks_per_k: int = CHUNKS_PER_K) -> torch.Tensor:
+                cap: int = CAP, chunks_per_k: int = CHUNKS_PER_K, more: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(N,) float32 k-th largest value of each row of (N, V) float32/float16/bfloat16 ``logits``, 1 <= top_k
     <= V (no checks: ``threshold`` is the launchers' entry). Equals ``logits.topk(top_k).values[:, -1]``
     exactly (``reference.kth_largest``). The chunk-max prefilter when the rows have at least
-    ``chunks_per_k * top_k`` chunks, else ``radix_kth_largest``. The tests override the columns per program
-    (``block_v``), per chunk (``chunk``), the candidates per row (``cap``; powers of two) and ``chunks_per_k``."""
-    N, V = logits.shape
+    ``chunks_per_k * top_k`` chunks, else ``radix_kth_largest``. With ``more``, (N', V) rows of the same
+    dtype, the same launches cover both: (N + N',) values, ``more``'s after those of ``logits``. The tests
+    override the columns per program (``block_v``), per chunk (``chunk``), the candidates per row (``cap``;
+    powers of two) and ``chunks_per_k``."""
+    V = logits.shape[1]
     config = prefilter_config(V, logits.dtype, top_k, block_v, chunk, chunks_per_k)
     if config is None:
-        return radix_kth_largest(logits, top_k, block_v)
-    return prefilter(logits, top_k, config, cap)[0]
+        return radix_kth_largest(logits, top_k, block_v, more)
+    return prefilter(logits, top_k, config, cap, more)[0]
 
 
-def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP) -> tuple:
-    """The chunk-max prefilter of (N, V) ``logits`` under ``prefilter_config``'s ``config``: (N,) float32 k-th
-    largest values, the (N, cap) int32 candidate keys (``order_key32``, in no order: every key >= t0 of the
-    row, so every logit >= its k-th largest, while the count is at most cap) and the (N,) int32 candidate
-    counts (past cap when they overflowed)."""
-    N, V = logits.shape
+def _pair(logits: torch.Tensor, more: Optional[torch.Tensor], unit: int) -> tuple:
+    """The kernels' (X, Y, N_X, N, row stride in units): ``logits``' rows then ``more``'s (None: none), 16-byte
+    aligned (``vocab.aligned_rows``) and of one row stride, a multiple of ``unit`` (both copied when the
+    strides of two tensors of several rows differ; a single row's stride is never used)."""
+    x = aligned_rows(logits, unit)
+    y = x if more is None else aligned_rows(more, unit)
+    strides = {t.stride(0) for t in (x, y) if t.shape[0] > 1}
+    if len(strides) > 1:
+        x, y = x.contiguous(), y.contiguous()
+        strides = {x.stride(0)}
+    N_X = x.shape[0]
+    return x, y, N_X, N_X + (0 if more is None else y.shape[0]), next(iter(strides), 0) // unit
+
+
+def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP,
+              more: Optional[torch.Tensor] = None) -> tuple:
+    """The chunk-max prefilter of (N, V) ``logits`` (and of ``more``'s rows after them, as in ``kth_largest``)
+    under ``prefilter_config``'s ``config``: (N,) float32 k-th largest values, the (N, cap) int32 candidate
+    keys (``order_key32``, in no order: every key >= t0 of the row, so every logit >= its k-th largest, while
+    the count is at most cap) and the (N,) int32 candidate counts (past cap when they overflowed)."""
+    V = logits.shape[1]
     cfg, chunk, nc = config
+    x, y, N_X, N, s_x = _pair(logits, more, cfg.unit)
     out = torch.empty(N, dtype=torch.float32, device=logits.device)
     count = torch.empty(N, dtype=torch.int32, device=logits.device)
     cand = torch.empty(N, cap, dtype=torch.int32, device=logits.device)
     if N == 0:
         return out, cand, count
-    logits = aligned_rows(logits, cfg.unit)
-    s_x = row_stride(logits) // cfg.unit
     bits = KEY_BITS[logits.dtype]
     cmax = torch.empty(N, nc, dtype=torch.int32, device=logits.device)
     t0 = torch.empty(N, dtype=torch.int32, device=logits.device)
-    args = (logits, cmax, s_x, N, V, nc, cfg.nc, N * cfg.nc)
+    args = (x, y, cmax, s_x, N, N_X, V, nc, cfg.nc, N * cfg.nc)
     meta = dict(BLOCK_V=cfg.block_v, CHUNK=chunk, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align,
                 num_warps=max(1, min(4, cfg.block_v // 1024)))
     _chunk_max_kernel[stream_grid(_chunk_max_kernel, N * cfg.nc, args, meta, logits.device)](*args, **meta)
@@ -340,30 +371,30 @@ def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP) -
     _pivot_kernel[(triton.cdiv(N, rows),)](cmax, t0, count, N, nc, top_k, BLOCK_N=rows, NC_PAD=nc_pad, BITS=bits,
                                            num_warps=8)
     _collect_kernel[(N, triton.cdiv(nc, 32))](
-        logits, cmax, t0, count, cand, s_x, N, V, nc,
+        x, y, cmax, t0, count, cand, s_x, N, N_X, V, nc,
         CHUNK=chunk, CAP=cap, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=1,
     )
-    _cand_select_kernel[(N,)](logits, cand, count, out, s_x, N, V, top_k, CAP=cap, SCAN_V=SCAN_V,
+    _cand_select_kernel[(N,)](x, y, cand, count, out, s_x, N, N_X, V, top_k, CAP=cap, SCAN_V=SCAN_V,
                               STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, BITS=bits, num_warps=4)
     return out, cand, count
 
 
-def radix_kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None) -> torch.Tensor:
+def radix_kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] = None,
+                      more: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``kth_largest`` by radix select (``block_v`` overrides the columns per histogram program)."""
-    N, V = logits.shape
+    V = logits.shape[1]
+    cfg = split_config(V, logits.dtype, block_v or min(RADIX_CHUNK, triton.next_power_of_2(V)))
+    x, y, N_X, N, s_x = _pair(logits, more, cfg.unit)
     out = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return out
-    cfg = split_config(V, logits.dtype, block_v or min(RADIX_CHUNK, triton.next_power_of_2(V)))
-    logits = aligned_rows(logits, cfg.unit)
-    s_x = row_stride(logits) // cfg.unit
     prefix = torch.zeros(N, dtype=torch.int64, device=logits.device)
     krem = torch.full((N,), top_k, dtype=torch.int32, device=logits.device)
     hist = torch.zeros(N, BINS.value, dtype=torch.int32, device=logits.device)
     warps = max(1, min(8, cfg.block_v // 512))  # 16 elements per thread
     for shift in range(32 - DIGIT_BITS.value, 31 - KEY_BITS[logits.dtype], -DIGIT_BITS.value):
         _radix_hist_kernel[(N, cfg.nc)](
-            logits, prefix, hist, s_x, N, V, shift,
+            x, y, prefix, hist, s_x, N, N_X, V, shift,
             BLOCK_V=cfg.block_v, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=warps,
         )
         _radix_select_kernel[(triton.cdiv(N, SELECT_ROWS),)](prefix, krem, hist, out, N, shift,
@@ -371,12 +402,15 @@ def radix_kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] =
     return out
 
 
-def threshold(logits: torch.Tensor, top_k: Optional[int], block_v: Optional[int] = None) -> Optional[torch.Tensor]:
-    """The vocabulary launchers' (N,) float32 top-k threshold (None when top-k keeps the whole row):
+def threshold(logits: torch.Tensor, top_k: Optional[int], block_v: Optional[int] = None,
+              more: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The vocabulary launchers' (N,) float32 top-k threshold (None when top-k keeps the whole row), with
+    ``more``'s (N', V) rows after them, in the same launches ((N + N',): the residual's q and p):
     ``kth_largest`` on CUDA; ``torch.topk`` in the CPU interpreter, where interpreting the kernels over
     thousands of rows costs minutes (they are tested there on their own)."""
     if top_k is None or top_k >= logits.shape[-1]:
         return None
     if logits.is_cuda:
-        return kth_largest(logits, top_k, block_v)
-    return reference.kth_largest(logits, top_k).float().contiguous()
+        return kth_largest(logits, top_k, block_v, more=more)
+    rows = (logits,) if more is None else (logits, more)
+    return torch.cat([reference.kth_largest(x, top_k).float() for x in rows])
