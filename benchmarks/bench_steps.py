@@ -41,7 +41,7 @@ RULE_IDS = [f"{rule}-o{n}" for rule, n in RULES]
 ORACLE_SEQUENCES = 1024 if bench_full() else 128
 
 MODEL_NAMES = ["permutation", "step", "maze", "char"]
-STRATEGIES = [("autoregressive", "paper", 1, "autoregressive")] + [
+STRATEGIES = [("autoregressive", "lossless", 1, "autoregressive")] + [
     ("burst", rule, n, f"burst-{i}") for (rule, n), i in zip(RULES, RULE_IDS)
 ]
 # The char model (256 positions, 0.8M parameters) is the costly one on a CPU:

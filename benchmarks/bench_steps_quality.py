@@ -39,7 +39,7 @@ from sigmafast.tasks import get_task
 
 TASKS = ("step", "permutation", "maze")
 NOISES = ("absorbing", "uniform")
-SIGMA_METHODS = [("autoregressive", "paper", 1, "ar")] + [("burst", "lossless", 1, "burst-lossless")] + [
+SIGMA_METHODS = [("autoregressive", "lossless", 1, "ar")] + [("burst", "lossless", 1, "burst-lossless")] + [
     ("burst", "paper", n, f"burst-paper-o{n}") for n in (1, 2, 5, 10)
 ]
 # S = 5: the comparison point with σ-GPT burst (<= 5 mean steps on step)

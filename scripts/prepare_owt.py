@@ -17,6 +17,9 @@ Sources (tokens are uint16, each document followed by ``<|endoftext|>``):
   TIKTOKEN_CACHE_DIR to a folder with tiktoken's cached gpt2 files.
 
 Tokenisation runs on ``--num-workers`` threads (tiktoken releases the GIL).
+An existing train.bin or val.bin in ``--data-dir`` stops the script before any
+download unless ``--overwrite`` is given; each file is written under a temporary
+name and renamed only once complete.
 """
 
 from __future__ import annotations
@@ -178,19 +181,39 @@ def prepare_hf(source: str, data_dir: Path, max_docs: Optional[int], val_fractio
     return write_documents(docs, paths, val_document_indices(total, val_fraction), num_workers, total, "documents")
 
 
-def check_output_dir(data_dir: Path) -> None:
-    """Create ``data_dir`` and write a probe file in it, before any download or tokenisation."""
+def existing_outputs(data_dir: Path) -> list[Path]:
+    """The output files already in ``data_dir`` (a run would replace them)."""
+    return [path for path in split_paths(data_dir).values() if os.path.lexists(path)]
+
+
+def remove_empty_dirs(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (deepest first), stopping at the first that is not an empty folder."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def check_output_dir(data_dir: Path) -> list[Path]:
+    """Create ``data_dir`` and write a probe file in it, before any download or tokenisation.
+
+    Returns the folders this created, deepest first, for :func:`remove_empty_dirs` after a failure.
+    """
+    created = list(itertools.takewhile(lambda p: not os.path.lexists(p), (data_dir, *data_dir.parents)))
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=data_dir):
             pass
     except OSError as exc:
+        remove_empty_dirs(created)
         raise ValueError(f"--data-dir {data_dir} is not a writable folder ({exc.strerror or exc})") from None
+    return created
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", choices=sorted(SOURCES), default="openwebtext",
+    parser.add_argument("--source", choices=sorted(SOURCES),
                         help="Hugging Face corpus to tokenise (default openwebtext)")
     parser.add_argument("--from-text", nargs="+", metavar="FILE", help="tokenise local UTF-8 text files instead")
     parser.add_argument("--data-dir", help="output folder (default data/owt, or data/wikitext103 for that source)")
@@ -202,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-workers", type=int, default=os.cpu_count() or 1, help="tokeniser threads")
     parser.add_argument("--dataset", help="override the Hugging Face dataset id of --source")
     parser.add_argument("--revision", help="Hugging Face dataset revision, e.g. refs/convert/parquet")
+    parser.add_argument("--overwrite", action="store_true", help="replace train.bin / val.bin already in --data-dir")
     return parser
 
 
@@ -214,22 +238,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--max-docs must be >= 1, got {args.max_docs}")
     if args.val_fraction is not None and not 0.0 < args.val_fraction < 1.0:
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
-    if args.from_text and (args.max_docs is not None or args.dataset or args.revision):
-        parser.error("--from-text reads local files: --max-docs, --dataset and --revision do not apply")
+    if args.from_text and (args.source is not None or args.max_docs is not None or args.dataset or args.revision):
+        parser.error("--from-text reads local files: --source, --max-docs, --dataset and --revision do not apply")
     if not args.from_text and args.source == "wikitext103" and args.val_fraction is not None:
         parser.error("--source wikitext103 uses its official validation split: drop --val-fraction")
-    spec = SOURCES[args.source]
+    source = args.source or "openwebtext"
+    spec = SOURCES[source]
     data_dir = Path(args.data_dir or spec["data_dir"])
+    existing = existing_outputs(data_dir)
+    if existing and not args.overwrite:
+        parser.error(f"--data-dir {data_dir} already holds {' and '.join(map(str, existing))}: pass --overwrite "
+                     f"to replace {'them' if len(existing) > 1 else 'it'}, or another --data-dir")
+    created: list[Path] = []
     try:
-        check_output_dir(data_dir)
+        created = check_output_dir(data_dir)
         if args.from_text:
             val_fraction = args.val_fraction if args.val_fraction is not None else FROM_TEXT_VAL_FRACTION
             counts = prepare_from_text(args.from_text, data_dir, val_fraction, args.num_workers)
         else:
             val_fraction = args.val_fraction if args.val_fraction is not None else OWT_VAL_FRACTION
-            counts = prepare_hf(args.source, data_dir, args.max_docs, val_fraction, args.num_workers,
+            counts = prepare_hf(source, data_dir, args.max_docs, val_fraction, args.num_workers,
                                 args.dataset, args.revision)
-    except (ValueError, OSError, ImportError, RuntimeError) as exc:
+    except BaseException as exc:
+        remove_empty_dirs(created)  # a failed run leaves no empty folder of its own behind
+        if not isinstance(exc, (ValueError, OSError, ImportError, RuntimeError)):
+            raise
         raise SystemExit(f"prepare_owt.py: error: {exc}") from exc
     paths = split_paths(data_dir)
     for split in ("train", "val"):

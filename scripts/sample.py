@@ -127,6 +127,9 @@ def parse_template(template: str, task, length: int) -> tuple[torch.Tensor, torc
                 tokens.append(0)
                 known.append(False)
             elif item.isdigit():
+                if int(item) >= task.vocab_size or int(item) == task.bos:
+                    raise ValueError(f"infill template ids must be the task's data tokens: in [0, {task.vocab_size}) "
+                                     f"but not BOS ({task.bos}), got {item}")
                 tokens.append(int(item))
                 known.append(True)
             else:

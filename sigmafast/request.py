@@ -201,6 +201,9 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    if strategy == "autoregressive" and (acceptance != "lossless" or num_orders != 1):
+        raise ValueError(f"acceptance and num_orders apply to strategy='burst' only (autoregressive sampling "
+                         f"verifies no drafts): got acceptance={acceptance!r}, num_orders={num_orders}")
     if acceptance == "lossless" and num_orders != 1:
         raise ValueError(
             f"acceptance='lossless' uses a single order chosen before drafting: pass num_orders=1 (got {num_orders})"

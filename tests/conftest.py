@@ -21,7 +21,8 @@ os.environ.setdefault("SIGMAFAST_BACKEND", "reference")
 
 torch.set_num_threads(1)
 
-from helpers import small_cfg  # noqa: E402  (after TRITON_INTERPRET: it imports triton)
+from helpers import SHAKESPEARE, TIKTOKEN_CACHE, load_prepare_script, small_cfg  # noqa: E402  (after TRITON_INTERPRET)
+from sigmafast.data import gpt2_encoding  # noqa: E402
 from sigmafast.train import train  # noqa: E402
 
 
@@ -54,3 +55,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def shakespeare():
+    """../shared/data/tinyshakespeare.txt (skips when absent)."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"offline data set {SHAKESPEARE} is absent (../shared/data/tinyshakespeare.txt)")
+    return SHAKESPEARE
+
+
+@pytest.fixture
+def enc(monkeypatch):
+    """GPT-2's BPE from ../shared/tiktoken, offline (skips when absent)."""
+    if not TIKTOKEN_CACHE.is_dir():
+        pytest.skip(f"GPT-2 BPE cache {TIKTOKEN_CACHE} is absent (../shared/tiktoken), tiktoken cannot load offline")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+    return gpt2_encoding()
+
+
+@pytest.fixture(scope="module")
+def shakespeare_bins(tmp_path_factory):
+    """Shakespeare prepared once with prepare_owt.py --from-text (module scope: shared by a module's tests)."""
+    if not SHAKESPEARE.is_file() or not TIKTOKEN_CACHE.is_dir():
+        pytest.skip("../shared/data/tinyshakespeare.txt or ../shared/tiktoken is absent")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+        data_dir = tmp_path_factory.mktemp("owt")
+        assert load_prepare_script().main(["--from-text", str(SHAKESPEARE), "--data-dir", str(data_dir)]) == 0
+    return data_dir

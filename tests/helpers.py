@@ -226,12 +226,26 @@ def small_cfg(tmp_path, **kw) -> TrainConfig:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train_script():
-    """scripts/train.py as a module (its ``main(argv)``)."""
-    spec = importlib.util.spec_from_file_location("sigmafast_train_script", REPO / "scripts" / "train.py")
+SHARED = REPO.parent / "shared"
+SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
+TIKTOKEN_CACHE = SHARED / "tiktoken"
+
+
+def _script(name: str, module_name: str):
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "scripts" / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def train_script():
+    """scripts/train.py as a module (its ``main(argv)``)."""
+    return _script("train.py", "sigmafast_train_script")
+
+
+def load_prepare_script():
+    """scripts/prepare_owt.py as a module (its ``main(argv)``)."""
+    return _script("prepare_owt.py", "prepare_owt")
 
 
 class _SignalAfter(list):

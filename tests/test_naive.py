@@ -96,7 +96,7 @@ def test_burst_matches_naive(model, engine, acceptance, num_orders, temperature,
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
-    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("autoregressive", "lossless", 1, id="autoregressive"),
     pytest.param("burst", "paper", 3, id="paper-O3"),
     pytest.param("burst", "lossless", 1, id="lossless"),
 ])
@@ -123,7 +123,7 @@ def test_all_known_canvas_matches_naive(model):
 
 
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
-    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("autoregressive", "lossless", 1, id="autoregressive"),
     pytest.param("burst", "paper", 3, id="paper-O3"),
     pytest.param("burst", "lossless", 1, id="lossless"),
 ])
@@ -140,7 +140,7 @@ def test_oracle_sampling_matches_naive(strategy, acceptance, num_orders):
 
 @pytest.mark.parametrize("length", [1, 2], ids=["T1", "T2"])
 @pytest.mark.parametrize("strategy,acceptance,num_orders,top_k", [
-    pytest.param("autoregressive", "paper", 1, None, id="autoregressive"),
+    pytest.param("autoregressive", "lossless", 1, None, id="autoregressive"),
     pytest.param("burst", "paper", 3, 1, id="paper-O3-top1"),
     pytest.param("burst", "lossless", 1, None, id="lossless"),
 ])
@@ -170,7 +170,7 @@ def test_dropping_finished_rows_matches_naive(model, monkeypatch, acceptance, nu
 
 
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
-    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("autoregressive", "lossless", 1, id="autoregressive"),
     pytest.param("burst", "paper", 2, id="paper-O2"),
     pytest.param("burst", "lossless", 1, id="lossless"),
 ])
@@ -200,7 +200,7 @@ def test_every_bucket_matches_naive(strategy, acceptance, num_orders):
 @pytest.mark.parametrize("pos_encoding", ["rope", "rope+sinusoidal", "rope-v", "rope-v+learned"])
 @pytest.mark.parametrize("kind", ["prompt", "infill"])
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
-    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("autoregressive", "lossless", 1, id="autoregressive"),
     pytest.param("burst", "paper", 3, id="paper-O3"),
     pytest.param("burst", "lossless", 1, id="lossless"),
 ])
@@ -216,7 +216,7 @@ def test_rotary_models_match_naive(pos_encoding, kind, strategy, acceptance, num
 
 @pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal"])
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
-    pytest.param("autoregressive", "paper", 1, id="autoregressive"),
+    pytest.param("autoregressive", "lossless", 1, id="autoregressive"),
     pytest.param("burst", "paper", 3, id="paper-O3"),
     pytest.param("burst", "lossless", 1, id="lossless"),
 ])

@@ -121,7 +121,7 @@ def test_conditional_density_is_one_burst_of_the_model(model):
 
 
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
-    ("autoregressive", "paper", 1), ("burst", "paper", 5), ("burst", "lossless", 1)])
+    ("autoregressive", "lossless", 1), ("burst", "paper", 5), ("burst", "lossless", 1)])
 def test_infilling_keeps_known_tokens_and_fills_the_rest(model, strategy, acceptance, num_orders):
     g = torch.Generator().manual_seed(2)
     idx = torch.randint(0, VOCAB, (4, T), generator=g)
@@ -203,6 +203,10 @@ BAD = [
     pytest.param(dict(strategy="beam"), ValueError, "strategy", id="unknown-strategy"),
     pytest.param(dict(acceptance="greedy"), ValueError, "acceptance", id="unknown-acceptance"),
     pytest.param(dict(acceptance="lossless", num_orders=5), ValueError, "num_orders=1", id="lossless-many-orders"),
+    pytest.param(dict(strategy="autoregressive", num_orders=5, acceptance="paper"), ValueError,
+                 "apply to strategy='burst' only", id="autoregressive-with-orders"),
+    pytest.param(dict(strategy="autoregressive", num_orders=3), ValueError, "apply to strategy='burst' only",
+                 id="autoregressive-lossless-orders"),
     pytest.param(dict(strategy="autoregressive", order="spiral"), ValueError, "order", id="unknown-order"),
     pytest.param(dict(strategy="autoregressive", order=torch.zeros(1, 4, dtype=torch.long)), ValueError,
                  "permutation", id="order-not-a-permutation"),
@@ -268,6 +272,9 @@ def test_sample_script_parses_infill_templates():
     assert tokens[:3].tolist() == [3, 0, 4] and known.tolist() == [True, False, True, False, False, False]
     with pytest.raises(ValueError, match="template"):
         script.parse_template("0 x", step, 6)
+    for item in (str(step.bos), str(step.vocab_size)):  # BOS (2 here) and past the vocabulary are not data
+        with pytest.raises(ValueError, match=r"data tokens: in \[0, 3\) but not BOS \(2\)"):
+            script.parse_template(f"01_{item}", step, 6)
     with pytest.raises(ValueError, match="canvas length"):
         script.parse_template("0101010", step, 6)
 
@@ -289,7 +296,7 @@ SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "non
 
 
 @pytest.mark.parametrize("strategy,acceptance,num_orders", [
-    ("autoregressive", "paper", 1), ("burst", "paper", 3), ("burst", "lossless", 1)])
+    ("autoregressive", "lossless", 1), ("burst", "paper", 3), ("burst", "lossless", 1)])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
 def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, strategy, acceptance, num_orders,
                                                            buckets):

@@ -176,7 +176,8 @@ class TokenFileTask(Task):
             ]
         else:
             lines.append("  (needs: pip install -e \".[data]\")")
-        lines += ["or any local text files:", f"  python scripts/prepare_owt.py --from-text FILE... --data-dir {self.data_dir}"]
+        lines += ["or any local text files:",
+                  f"  python scripts/prepare_owt.py --from-text FILE... --data-dir {self.data_dir}"]
         return "\n".join(lines)
 
     def num_tokens(self, split: str) -> int:
