@@ -111,7 +111,8 @@ def test_steps_quality(benchmark, task_name, family, strategy, rule, num, models
     lo, hi = wilson_interval(successes, n)
     benchmark.extra_info.update(
         kind="steps_quality", task=task_name, seq_len=task.seq_len, family=family, strategy=strategy,
-        acceptance=rule, num_orders=num if strategy != "diffusion" else None, diffusion_steps=steps,
+        acceptance=rule if strategy == "burst" else None, num_orders=num if strategy != "diffusion" else None,
+        diffusion_steps=steps,
         n_sequences=n, ar_iterations=float(n_unknown.double().mean()), steps_mean=stats.mean_iterations,
         metric_name=name, metric_value=value, metric_ci95=[lo, hi], metrics=metrics,
         **train_info, **summarize(stats, n_unknown), **device_info(dev),

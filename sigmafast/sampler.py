@@ -123,8 +123,9 @@ def generate(
     "left-to-right", "fractal" or a (B, T) tensor). Burst ``acceptance`` is
     "lossless" by default (one order, ``num_orders=1``: exactly the model's
     random-order autoregressive law) or, opt-in, "paper" (the σ-GPT rule over
-    ``num_orders`` orders: fewer iterations, not exact); both are errors under
-    "autoregressive", which verifies no drafts. ``on_iteration(canvas,
+    ``num_orders`` orders: fewer iterations, not exact); values other than the
+    defaults are errors under "autoregressive", which verifies no drafts.
+    ``on_iteration(canvas,
     known)``, when given, is called after every iteration (it may sync).
     """
     target = unwrap_model(model)

@@ -74,9 +74,9 @@ def enc(monkeypatch):
     return gpt2_encoding()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shakespeare_bins(tmp_path_factory):
-    """Shakespeare prepared once with prepare_owt.py --from-text (module scope: shared by a module's tests)."""
+    """Shakespeare prepared once per session with prepare_owt.py --from-text (read-only to its users)."""
     if not SHAKESPEARE.is_file() or not TIKTOKEN_CACHE.is_dir():
         pytest.skip("../shared/data/tinyshakespeare.txt or ../shared/tiktoken is absent")
     with pytest.MonkeyPatch.context() as mp:

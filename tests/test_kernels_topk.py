@@ -209,25 +209,28 @@ def test_topk_log_q_needs_the_prefilter():
     assert accept.topk_logq(x, torch.zeros(2, dtype=torch.long), 1.0, 200) is None
 
 
-# (x rows kind, y rows kind, N_X, N_Y, V, top_k, chunk, cap): the second tensor's rows after the first's
+# (x rows kind, y rows kind, N_X, N_Y, V, top_k, chunk, cap, y's row padding): the second tensor's rows after the
+# first's; x's rows are views with a row stride of V + 13
 PAIR_CASES = [
-    ("randn", "negative", 3, 5, 3000, 10, None, None),  # the prefilter
-    ("randn", "equal", 2, 3, 1000, 7, 16, 32),  # the second tensor's candidates overflow: its rows are scanned
-    ("ties", "randn", 4, 1, 300, 9, None, None),  # the radix select
-    ("randn", "randn", 0, 3, 3000, 5, None, None),  # an empty first tensor
-    ("randn", "ties", 1, 4, 1000, 5, 16, None),  # one row first (its row stride is never used)
-    ("negative", "randn", 1, 3, 300, 9, None, None),  # ... in the radix select
+    ("randn", "negative", 3, 5, 3000, 10, None, None, 13),  # the prefilter
+    ("randn", "equal", 2, 3, 1000, 7, 16, 32, 13),  # the second tensor's candidates overflow: its rows are scanned
+    ("ties", "randn", 4, 1, 300, 9, None, None, 13),  # the radix select
+    ("randn", "randn", 0, 3, 3000, 5, None, None, 13),  # an empty first tensor
+    ("randn", "ties", 1, 4, 1000, 5, 16, None, 13),  # one row first (its row stride is never used)
+    ("negative", "randn", 1, 3, 300, 9, None, None, 13),  # ... in the radix select
+    ("randn", "randn", 3, 2, 1000, 6, 16, None, 600),  # row strides that differ: both copied to one
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: "{}-{}-N{}+{}-V{}-k{}".format(*c[:6]))
 def test_kth_largest_of_a_pair_matches_each(case, dtype, poisoned_empty):
-    """``more=``: the rows of a second tensor of the same row stride (the residual's p after q) in the same
+    """``more=``: the rows of a second tensor of the same dtype (the residual's p after q) in the same
     launches; its thresholds follow the first's, each row's as alone."""
-    kind_x, kind_y, n_x, n_y, V, k, chunk, cap = case
+    kind_x, kind_y, n_x, n_y, V, k, chunk, cap, pad_y = case
     g = torch.Generator().manual_seed(n_x * 10 + n_y)
-    x, y = (_rows(kind, n, V + 13, g).to(dtype)[:, 5:V + 5] for kind, n in ((kind_x, n_x), (kind_y, n_y)))
+    x, y = (_rows(kind, n, V + pad, g).to(dtype)[:, 8:V + 8]  # 16-byte aligned views: no copy by the launcher
+            for kind, n, pad in ((kind_x, n_x, 13), (kind_y, n_y, pad_y)))
     got = kth_largest(x, k, None, chunk, **({"cap": cap} if cap else {}), chunks_per_k=1, more=y)
     want = torch.cat([ref.kth_largest(x, k).float(), ref.kth_largest(y, k).float()])
     assert got.shape == (n_x + n_y,)
