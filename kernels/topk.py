@@ -53,15 +53,15 @@ of the k-th largest key (2 passes for bf16, 3 for fp16, 4 for fp32).
   its prefix and remaining rank, zeroes the counts for the next pass, and
   writes the float of the prefix (after the last pass, the k-th largest value).
 
-One row per program because of how ``tl.histogram`` compiles. Up to Triton
-3.7 (3.6 is what torch 2.11 brings) it counts by warp ballots: every element
-pays for every bin a thread owns, bins / 32 of them (one row of 256 bins: 67
-sm_90 SASS instructions per element of an interior chunk; 1280 bf16 rows of
-GPT-2 took 491 µs on the H200). From Triton 3.8 it is a shared-memory atomic
-per element (19 instructions).
+One row per program because of how ``tl.histogram`` compiles: up to Triton
+3.7 by warp ballots, bins / 32 per element and thread (256 bins: 67 sm_90 SASS
+instructions per element; 1280 bf16 rows of GPT-2 took 491 µs on the H200),
+from 3.8 by one shared-memory atomic per element (19 instructions).
 
 ``prefilter`` also returns the candidates and their counts: the top-k
-acceptance (``accept.topk_logq``) sums its log-sum-exp over them.
+acceptance (``accept.topk_logq``) sums its log-sum-exp over them. With
+``more=``, a second tensor's rows follow the first's in every kernel (the
+residual's q and p: one set of launches).
 
 The launchers call ``threshold``, which takes these kernels on CUDA (the
 prefilter is not yet timed on a GPU: benchmarks/bench_kernels.py
