@@ -178,9 +178,10 @@ class _Trainer:
         if ckpt is not None:
             self.model.load_state_dict(ckpt["model"])
         self.model.to(self.device)
-        self.optimizer = configure_optimizer(self.model, cfg, self.device)
         if ckpt is not None:
-            self._restore(ckpt)
+            self._restore(ckpt)  # also the optimiser, holding the stored Adam moments
+        else:
+            self.optimizer = configure_optimizer(self.model, cfg, self.device)
         self.eval_pending = not (self.history and self.history[-1]["iter"] == self.start_iter)  # on every rank
 
         net = ModelLoss(self.model)
