@@ -59,6 +59,8 @@ def main(argv: typing.Optional[list[str]] = None) -> int:
     except (FloatingPointError, OSError) as e:  # diverged, or a checkpoint write failed (the last one is intact)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second SIGINT: the trainer logged that it exits without a checkpoint
+        return 130
     return 130 if result.interrupted else 0
 
 

@@ -44,6 +44,8 @@ def gpt2_encoding():
 def read_text(path: PathLike, what: str) -> str:
     """The UTF-8 content of a non-empty text file; ``what`` names it in the errors."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what}: {path} is a folder, not a text file")
     if not path.is_file():
         raise FileNotFoundError(f"{what}: {path} does not exist")
     try:

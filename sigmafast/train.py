@@ -62,12 +62,18 @@ class TrainResult:
 
 
 def build_model_config(cfg: TrainConfig, task) -> SigmaGPTConfig:
-    """The model config of ``cfg`` for ``task``; ``block_size`` defaults to the task's ``seq_len``."""
+    """The model config of ``cfg`` for ``task``; ``block_size`` defaults to the task's ``seq_len``.
+
+    A diffusion model's MASK is its BOS id, which must never occur in data: for a task whose BOS is a data
+    token (``task.bos_in_data``, GPT-2's <|endoftext|>) the model gets one more id, ``task.vocab_size``."""
     block_size = task.seq_len if cfg.block_size is None else cfg.block_size
     if block_size < task.seq_len:
         raise ValueError(f"TrainConfig.block_size ({block_size}) must be >= the task's seq_len ({task.seq_len})")
+    vocab_size, bos = task.vocab_size, task.bos
+    if cfg.objective == "diffusion" and task.bos_in_data:
+        vocab_size, bos = task.vocab_size + 1, task.vocab_size
     return SigmaGPTConfig.from_preset(
-        cfg.preset, vocab_size=task.vocab_size, block_size=block_size, bos_token_id=task.bos, **cfg.architecture()
+        cfg.preset, vocab_size=vocab_size, block_size=block_size, bos_token_id=bos, **cfg.architecture()
     )
 
 

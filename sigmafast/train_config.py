@@ -186,6 +186,8 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value!r}")
         _check_choice("task", self.task, TASK_NAMES)
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
         for name in PATH_FIELDS:  # absolute, so that --resume from another folder reads the same files
             if getattr(self, name) is not None:
                 setattr(self, name, os.path.abspath(getattr(self, name)))

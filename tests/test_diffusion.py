@@ -14,7 +14,8 @@ from sigmafast.diffusion import DiffusionConfig, DiffusionGPT
 from sigmafast.diffusion.noise import (
     NOISES, T_MIN, DiffusionBatch, corrupt, diffusion_loss, marginal, noisy_batch, uniform_posterior, uniform_tokens,
 )
-from sigmafast.train import TrainConfig, load_checkpoint, train
+from sigmafast.tasks import get_task
+from sigmafast.train import TrainConfig, build_model_config, load_checkpoint, train
 from helpers import chi2_pvalue, tiny_model
 
 P_MIN = 1e-4  # a correct law passes every seeded chi-square test at this level
@@ -327,6 +328,30 @@ def test_train_config_objective_fields():
         TrainConfig(objective="diffusion", order="left-to-right")
     assert TrainConfig().diffusion_config() is None
     assert TrainConfig(objective="diffusion", diffusion_noise="absorbing").diffusion_config().noise == "absorbing"
+
+
+@pytest.mark.parametrize("noise", NOISES)
+def test_gpt2_token_model_masks_with_an_id_of_its_own(noise):
+    """GPT-2's BOS <|endoftext|> is a data token (it ends every document): a diffusion model of GPT-2 tokens
+    masks with one more id, so a window holding <|endoftext|> has a finite loss and the token stays
+    predictable."""
+    task = get_task("owt", seq_len=16)  # opens no file
+    cfg = TrainConfig(task="owt", seq_len=16, preset="tiny", objective="diffusion", diffusion_noise=noise)
+    config = build_model_config(cfg, task)
+    assert (config.vocab_size, config.bos_token_id) == (task.vocab_size + 1, task.vocab_size)
+    sigma = build_model_config(TrainConfig(task="owt", seq_len=16, preset="tiny"), task)
+    assert (sigma.vocab_size, sigma.bos_token_id) == (task.vocab_size, task.bos)
+    torch.manual_seed(0)
+    model = diffusion.make_model(config, "diffusion", cfg.diffusion_config()).eval()
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(0, task.vocab_size, (4, 16), generator=g)
+    x0[:, ::3] = task.bos
+    batch = noisy_batch(x0, noise, config.vocab_size, model.mask_id, g)
+    assert bool((batch.x_t != batch.x0).any()) and not bool((batch.x_t == task.vocab_size + 1).any())
+    assert math.isfinite(model.loss(batch.x0, batch.x_t, batch.t).item())
+    logits = model(batch.x_t, batch.t)  # (B, T, V + 1)
+    assert bool(torch.isfinite(logits[..., task.bos]).all())
+    assert bool((logits[..., model.mask_id] == float("-inf")).all())
 
 
 @pytest.mark.parametrize("noise", NOISES)

@@ -142,12 +142,14 @@ def test_missing_datasets_package_names_the_extra(tmp_path, monkeypatch):
     [
         pytest.param(["--from-text", "EMPTY"], "is empty", id="empty-file"),
         pytest.param(["--from-text", "MISSING"], "does not exist", id="missing-file"),
+        pytest.param(["--from-text", "FOLDER"], "is a folder, not a text file", id="folder"),
         pytest.param(["--from-text", "BINARY"], "not UTF-8", id="not-utf8"),
     ],
 )
 def test_prepare_bad_input(argv, match, tmp_path, enc):
     (tmp_path / "EMPTY").write_text("")
     (tmp_path / "BINARY").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "FOLDER").mkdir()
     argv = [str(tmp_path / a) if a.isupper() else a for a in argv]
     with pytest.raises(SystemExit, match=match):
         prepare_owt.main([*argv, "--data-dir", str(tmp_path / "out")])

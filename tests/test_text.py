@@ -151,6 +151,8 @@ def test_char_task_needs_an_existing_utf8_file(tmp_path):
         get_task("char")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         CharTask(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="is a folder, not a text file"):
+        CharTask(tmp_path)
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\xfa" * 1000)
     with pytest.raises(ValueError, match="not UTF-8"):
         CharTask(tmp_path / "bin.txt")

@@ -42,13 +42,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
         (["--diffusion-noise", "absorbing"],
          "TrainConfig.diffusion_noise applies to objective 'diffusion' only; this run's objective is 'sigma'"),
         (["--lr-decay-iters", "10"], "TrainConfig.lr_decay_iters (10) must be >= warmup_iters (200)"),  # recipe's
+        (["--seed", "-1"], "TrainConfig.seed must be in [0, 2**63), got -1"),
+        (["--seed", str(2**63)], f"TrainConfig.seed must be in [0, 2**63), got {2**63}"),
         pytest.param(["--device", "cuda"], "device 'cuda' requested but CUDA is not available",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
          "other-arch", "other-seq-len", "other-task", "nan-weight-decay", "inf-lr", "huge-seq-len", "huge-model",
          "curriculum-start-random", "curriculum-start-diffusion", "diffusion-noise-sigma", "lr-decay-below-warmup",
-         "cuda-without-cuda"],
+         "negative-seed", "huge-seed", "cuda-without-cuda"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     script = load_script()
@@ -132,6 +134,26 @@ def test_script_sigint_saves_checkpoint_and_exits(tmp_path, monkeypatch, capsys)
     code = load_script().main(BASE_ARGV + ["--max-iters", "50", "--out-dir", str(tmp_path)])
     assert code == 130 and signal.getsignal(signal.SIGINT) is handler_before
     assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_script_second_sigint_exits_at_once_without_a_traceback(tmp_path, monkeypatch, capsys):
+    real_get_batch = train_mod.get_batch
+
+    def get_batch_then_sigint(task, cfg, step, index, start_pos, device):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_get_batch(task, cfg, step, index, start_pos, device)
+
+    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_sigint)
+    handler_before = signal.getsignal(signal.SIGINT)
+    try:
+        code = load_script().main(BASE_ARGV + ["--max-iters", "50", "--out-dir", str(tmp_path)])
+    except KeyboardInterrupt:
+        pytest.fail("the second SIGINT escaped main() as a KeyboardInterrupt")
+    assert code == 130 and signal.getsignal(signal.SIGINT) is handler_before
+    assert not (tmp_path / "ckpt.pt").exists()
     assert "Traceback" not in capsys.readouterr().err
 
 

@@ -117,7 +117,8 @@ class DiffusionGPT(nn.Module):
 
     @property
     def mask_id(self) -> int:
-        """The absorbing MASK id: the task's BOS id, which never occurs in data."""
+        """The absorbing MASK id: the config's BOS id, which must never occur in data (the trainer gives a
+        model of GPT-2 tokens, whose BOS <|endoftext|> is data, one more id for it)."""
         return self.config.bos_token_id
 
     def num_params(self, non_embedding: bool = True) -> int:

@@ -19,6 +19,7 @@ class Task:
     seq_len: int
     bos: int
     fixed_length: bool = False  # decode takes exactly seq_len tokens (a layout, such as the maze's)
+    bos_in_data: bool = False  # the BOS id is also a data token (GPT-2's <|endoftext|> between documents)
 
     def sample_batch(
         self, batch_size: int, split: str = "train", generator: Optional[torch.Generator] = None

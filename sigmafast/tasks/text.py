@@ -134,6 +134,8 @@ class TokenFileTask(Task):
     The files are opened on first use (:meth:`check_data`, the first batch): encoding, decoding and
     sampling from a model need only GPT-2's BPE."""
 
+    bos_in_data = True
+
     def __init__(self, name: str = "owt", data_dir: Union[str, Path, None] = None, seq_len: int = 1024):
         if name not in TOKEN_DATASETS:
             raise ValueError(f"token dataset must be one of {sorted(TOKEN_DATASETS)}, got {name!r}")
