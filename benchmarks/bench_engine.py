@@ -25,13 +25,13 @@ CUDA and float32 on CPU:
   median of the later ones apart; ``later_iterations_ms`` is the timed calls'
   time less that first iteration, per later iteration (unsynced: the engine
   queues each iteration before reading the previous one's status).
-  ``burst-sync-<shape>-B<b>``: the same through ``Engine(lookahead=False)``,
-  which reads every status before the next launch; ``burst-lossless``: with
+  ``burst-lookahead-<shape>-B<b>``: the same through ``Engine(lookahead=True)``,
+  which queues each iteration before reading the previous one's status; ``burst-lossless``: with
   ``generate``'s default rule (one order, lossless: a residual draw per
   iteration); ``ar-inductor`` and
   ``burst-inductor``: through ``Engine(compile_steps="inductor")`` (CUDA only);
-  ``ar-unfused`` and ``burst-unfused``: through ``Engine(fused_ends=False)``,
-  cuBLAS matmuls in place of the narrow models' sublayer-end kernels (CUDA,
+  ``ar-fused`` and ``burst-fused``: through ``Engine(fused_ends=True)``, the
+  narrow models' one-kernel sublayer ends in place of cuBLAS's matmuls (CUDA,
   ``tiny`` and ``small`` only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
@@ -85,16 +85,16 @@ STRATEGIES = {
     "burst": dict(strategy="burst", num_orders=5, acceptance="paper"),
     "ar-inductor": dict(strategy="autoregressive", order="left-to-right"),  # Engine(compile_steps="inductor")
     "burst-inductor": dict(strategy="burst", num_orders=5, acceptance="paper"),
-    "burst-sync": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(lookahead=False)
+    "burst-lookahead": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(lookahead=True)
     "burst-lossless": dict(strategy="burst", num_orders=1, acceptance="lossless"),  # generate's default rule
-    "ar-unfused": dict(strategy="autoregressive", order="left-to-right"),  # Engine(fused_ends=False)
-    "burst-unfused": dict(strategy="burst", num_orders=5, acceptance="paper"),
+    "ar-fused": dict(strategy="autoregressive", order="left-to-right"),  # Engine(fused_ends=True)
+    "burst-fused": dict(strategy="burst", num_orders=5, acceptance="paper"),
 }
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
 COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
-UNFUSED = ("ar-unfused", "burst-unfused")  # CUDA only (the Triton path), narrow shapes only (GPT-2 is never fused)
-ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-sync": dict(lookahead=False),
-                  **{s: dict(fused_ends=False) for s in UNFUSED}}
+FUSED = ("ar-fused", "burst-fused")  # CUDA only (the Triton path), narrow shapes only (GPT-2 is never fused)
+ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-lookahead": dict(lookahead=True),
+                  **{s: dict(fused_ends=True) for s in FUSED}}
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -306,7 +306,7 @@ def test_engine(benchmark, strategy, shape, batch):
         pytest.skip("compiled steps are benchmarked on CUDA only")
     if strategy in COMPILED and (shape == "tiny" or (strategy.startswith("burst") and batch > 1)):
         pytest.skip("compiled steps: small and gpt2 shapes only, bursts at B = 1 only (compile time)")
-    if strategy in UNFUSED and (not CUDA or shape.startswith("gpt2")):
+    if strategy in FUSED and (not CUDA or shape.startswith("gpt2")):
         pytest.skip("the fused sublayer ends run on CUDA's Triton path, in models at most 256 wide")
     model = _model("sigma", shape)
     prompt = _prompt(batch, PROMPT)

@@ -330,7 +330,7 @@ def test_acceptance_from_hidden(benchmark, impl, C, copy_gbps):
 @pytest.mark.parametrize("end", ["mlp", "projection"])
 def test_sublayer_end(benchmark, impl, rows, end, copy_gbps):
     """A narrow model's sublayer end with the next block's QKV projection (C = 128, the ``small`` preset):
-    the one-kernel ``kernels/linear_norm.py`` against the engine's layout without it (``fused_ends=False``:
+    the one-kernel ``kernels/linear_norm.py`` against the engine's default layout (``fused_ends=False``:
     cuBLAS matmuls, the GELU, the add + LayerNorm kernel and the next projection). Rows: a burst's draft
     (64), a verify pass at B = 1 and R = 64 or 256 (320, 1280), and at B = 8 and R = 256 (10240)."""
     from sigmafast.kernels import add_layer_norm, linear_norm

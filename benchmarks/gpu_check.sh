@@ -60,7 +60,7 @@ for part in ${GPU_PARTS:-tests fused engine kernels vocab profile train}; do
     train) if [ -f data/gpucheck/owt/train.bin ]; then  # carried: see the header
         run train "${GPU_TRAIN_LIMIT:-240}" bash -c "for c in --no-compile --compile; do python scripts/train.py \
             --task owt --data-dir data/gpucheck/owt --preset gpt2 --max-iters 40 --batch-size 16 --grad-accum 1 \
-            --eval-interval 1000 --eval-iters 2 --log-interval 10 --num-eval-samples 1 --out-dir \$(mktemp -d) \$c \
+            --eval-interval 1000 --eval-iters 2 --log-interval 10 --out-dir \$(mktemp -d) \$c \
             || exit 1; done"
     else echo "== train: skipped, no data/gpucheck/owt (prepare it and carry data/gpucheck)" | tee -a "$OUT/summary.txt"
     fi ;;

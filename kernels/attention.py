@@ -56,19 +56,20 @@ SPLIT_WAVE_PROGRAMS = 3  # the CPU interpreter's stand-in for the programs an SM
 _STRIDES = [f"s_{t}{d}" for t in "qkvo" for d in "bgsh"] + [f"s_{t}{d}" for t in "cw" for d in "bhl"]
 
 
-@triton.jit(do_not_specialize=_STRIDES + ["H", "M", "L", "SEG", "tiles_per_split"],
+@triton.jit(do_not_specialize=_STRIDES + ["H", "M", "N_M", "L", "SEG", "tiles_per_split"],
             do_not_specialize_on_alignment=["LENS"])
 def _cascade_attn_kernel(
     Q, K, V, KC, VC, LENS, O, O_PART, LSE_PART,
     s_qb, s_qg, s_qs, s_qh, s_kb, s_kg, s_ks, s_kh, s_vb, s_vg, s_vs, s_vh, s_ob, s_og, s_os, s_oh,
     s_cb, s_ch, s_cl, s_wb, s_wh, s_wl,
-    H, M, D, L, SEG, tiles_per_split, sm_scale,
+    H, M, N_M, D, L, SEG, tiles_per_split, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SPLITS: tl.constexpr, STRIDE_UNIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    pid = tl.program_id(0)  # (b, h) major, query tile minor: one (b, h)'s tiles run side by side
+    pid_m = pid % N_M
+    pid_bh = pid // N_M
+    pid_s = tl.program_id(1)
     i_b = (pid_bh // H).to(tl.int64)
     i_h = (pid_bh % H).to(tl.int64)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
@@ -151,7 +152,7 @@ def _cascade_attn_kernel(
     m_out = m_row[:, None] & m_d[None, :]
     if HAS_SPLITS:
         # partial buffers: (n_splits, B*H, M, BLOCK_D) and (n_splits, B*H, M), contiguous
-        row = (pid_s * tl.num_programs(1) + pid_bh).to(tl.int64) * M + o_m64
+        row = (pid_s * (tl.num_programs(0) // N_M) + pid_bh).to(tl.int64) * M + o_m64
         tl.store(O_PART + row[:, None] * BLOCK_D + o_d[None, :], b_o, mask=m_out)
         tl.store(LSE_PART + row, tl.where(b_l > 0.0, b_m + tl.log2(l_safe), float("-inf")), mask=m_row)
     else:
@@ -159,16 +160,18 @@ def _cascade_attn_kernel(
         tl.store(p_o + o_d[None, :], b_o.to(O.dtype.element_ty), mask=m_out)
 
 
-@triton.jit(do_not_specialize=["s_ob", "s_og", "s_os", "s_oh", "H", "M", "SEG", "n_splits"])
+@triton.jit(do_not_specialize=["s_ob", "s_og", "s_os", "s_oh", "H", "M", "N_M", "SEG", "n_splits"])
 def _combine_kernel(
     O_PART, LSE_PART, O,
     s_ob, s_og, s_os, s_oh,
-    H, M, D, SEG, n_splits,
+    H, M, N_M, D, SEG, n_splits,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE_UNIT: tl.constexpr,
 ):
     """Merge the KV splits' normalised partial outputs by their base-2 log-sum-exps."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid = tl.program_id(0)
+    pid_m = pid % N_M
+    pid_bh = pid // N_M
+    n_bh = tl.num_programs(0) // N_M
     i_b = (pid_bh // H).to(tl.int64)
     i_h = (pid_bh % H).to(tl.int64)
     o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -180,7 +183,7 @@ def _combine_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i_s in range(0, n_splits):
-        row = (i_s * tl.num_programs(1) + pid_bh).to(tl.int64) * M + o_m64
+        row = (i_s * n_bh + pid_bh).to(tl.int64) * M + o_m64
         b_lse = tl.load(LSE_PART + row, mask=m_row, other=float("-inf"))  # (BLOCK_M,)
         b_o = tl.load(O_PART + row[:, None] * BLOCK_D + o_d[None, :], mask=m_row[:, None] & m_d[None, :],
                       other=0.0)  # (BLOCK_M, BLOCK_D); columns >= D of the partials are never written
@@ -261,7 +264,7 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
         return (q, k, v, k_cache, v_cache, cache_lens, dst, o_part, lse_part,
                 *in_units(unit, *_split_parts(strides(q)), *_split_parts(strides(k)), *_split_parts(strides(v))),
                 *o_strides, *in_units(unit, *strides(k_cache)[:3], *strides(v_cache)[:3]),
-                H, M, D, L, S, tiles_per_split, sm_scale)
+                H, M, n_m, D, L, S, tiles_per_split, sm_scale)
 
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_SPLITS=True, STRIDE_UNIT=unit,
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
@@ -280,11 +283,12 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
         lse_part = torch.empty((num_splits, B * H, M), dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = dst  # unused
-    _cascade_attn_kernel[(n_m, B * H, num_splits)](*args(o_part, lse_part, tiles_per_split),
-                                                   **{**meta, "HAS_SPLITS": num_splits > 1})
+    # (b, h) and query tiles share grid axis 0 (up to 2^31 - 1 programs): axis 1 would cap B·H at 65535
+    _cascade_attn_kernel[(B * H * n_m, num_splits)](*args(o_part, lse_part, tiles_per_split),
+                                                    **{**meta, "HAS_SPLITS": num_splits > 1})
     if num_splits > 1:
-        _combine_kernel[(n_m, B * H)](
-            o_part, lse_part, dst, *o_strides, H, M, D, S, num_splits,
+        _combine_kernel[(B * H * n_m,)](
+            o_part, lse_part, dst, *o_strides, H, M, n_m, D, S, num_splits,
             BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, STRIDE_UNIT=unit, num_warps=4 if BLOCK_D <= 128 else 8,  # no spills
         )
     if dst is not out:

@@ -50,7 +50,10 @@ Every op but ``commit``, ``rotary_``, ``flag_nonfinite``, ``sample``, ``decide``
 ``mlp_add_norm``, ``feed_embedding``, ``draft_logq`` and ``lm_head_logq`` is functional: it returns new
 tensors and mutates none of its inputs. ``commit`` declares the session buffers and the status it writes
 in place (``mutates_args``), ``rotary_`` the tensors it rotates, the next three their flag, the next three the next
-projection's output, and the last two their log ratio.
+projection's output, and the last two their log ratio. An op that mutates declares no argument defaults: in
+torch 2.11 its ADInplaceOrView kernel indexes the arguments after the dispatcher has dropped the trailing
+ones left at their defaults (an ``IndexError`` whenever the mutated argument is a trailing None; 2.13 fills
+them back in first).
 The ops do not check their inputs: the public functions of ``attention``,
 ``accept`` and ``sampling`` (and :mod:`sigmafast.kernels`, which calls them)
 validate in Python first, then call the op. Importing this module imports
@@ -108,37 +111,35 @@ def _scores(rows: Tensor, temperature: float) -> Tensor:
 
 
 @torch.library.custom_op("sigmafast::draft_logq", mutates_args=("log_ratio",))
-def _draft_logq(logits: Tensor, drafts: Tensor, temperature: float, top_k: Optional[int] = None,
-                block_v: Optional[int] = None, draft_logp: Optional[Tensor] = None,
-                log_ratio: Optional[Tensor] = None) -> Tensor:
+def _draft_logq(logits: Tensor, drafts: Tensor, temperature: float, top_k: Optional[int], block_v: Optional[int],
+                draft_logp: Optional[Tensor], log_ratio: Optional[Tensor]) -> Tensor:
     return draft_logq(logits, drafts, temperature, top_k, block_v, draft_logp, log_ratio)
 
 
 @_draft_logq.register_fake
-def _(logits, drafts, temperature, top_k=None, block_v=None, draft_logp=None, log_ratio=None):
+def _(logits, drafts, temperature, top_k, block_v, draft_logp, log_ratio):
     return _scores(logits, temperature)
 
 
 @torch.library.custom_op("sigmafast::lm_head_logq", mutates_args=("log_ratio",))
 def _lm_head_logq(hidden: Tensor, weight: Tensor, drafts: Tensor, temperature: float,
-                  draft_logp: Optional[Tensor] = None, log_ratio: Optional[Tensor] = None) -> Tensor:
+                  draft_logp: Optional[Tensor], log_ratio: Optional[Tensor]) -> Tensor:
     return lm_head_logq(hidden, weight, drafts, temperature, draft_logp, log_ratio)
 
 
 @_lm_head_logq.register_fake
-def _(hidden, weight, drafts, temperature, draft_logp=None, log_ratio=None):
+def _(hidden, weight, drafts, temperature, draft_logp, log_ratio):
     return _scores(hidden, temperature)
 
 
 @torch.library.custom_op("sigmafast::sample", mutates_args=("flag",))
-def _sample(logits: Tensor, uniforms: Tensor, temperature: float, top_k: Optional[int] = None,
-            block_v: Optional[int] = None, used: Optional[Tensor] = None,
-            flag: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def _sample(logits: Tensor, uniforms: Tensor, temperature: float, top_k: Optional[int], block_v: Optional[int],
+            used: Optional[Tensor], flag: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     return launch(logits, None, uniforms, temperature, top_k, block_v, used, flag)
 
 
 @_sample.register_fake
-def _(logits, uniforms, temperature, top_k=None, block_v=None, used=None, flag=None):
+def _(logits, uniforms, temperature, top_k, block_v, used, flag):
     N = logits.shape[0]
     return logits.new_empty(N, dtype=torch.int64), logits.new_empty(N, dtype=torch.float32)
 
@@ -156,12 +157,12 @@ def _(q_logits, p_logits, uniforms, temperature, top_k=None, block_v=None):
 
 @torch.library.custom_op("sigmafast::decide", mutates_args=("flag",))
 def _decide(test: Tensor, drafts: Tensor, uniforms: Tensor, lengths: Tensor, greedy: bool,
-            paper: bool, flag: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            paper: bool, flag: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return decide_launch(test, drafts, uniforms, lengths, greedy, paper, flag)
 
 
 @_decide.register_fake
-def _(test, drafts, uniforms, lengths, greedy, paper, flag=None):
+def _(test, drafts, uniforms, lengths, greedy, paper, flag):
     B, O, R = drafts.shape
     return (drafts.new_empty((B, O, R), dtype=torch.bool), drafts.new_empty((B, O), dtype=torch.int64),
             drafts.new_empty((B, O), dtype=torch.int64), drafts.new_empty((B,), dtype=torch.int64),

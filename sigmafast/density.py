@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .request import eval_mode, is_sigma_gpt, nonfinite_error, prepare
+from .request import inference, is_sigma_gpt, nonfinite_error, prepare
 from .sampler import unwrap_model, as_conditionals
 
 __all__ = ["conditional_density", "log_likelihood"]
@@ -21,7 +21,7 @@ def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.
     req = prepare(model, idx, known=known)
     B, T = req.canvas.shape
     conds = as_conditionals(model)
-    with torch.no_grad(), eval_mode(model):
+    with inference(model):
         session = conds.prefill(req.canvas, req.known)
         positions = torch.arange(T, device=req.canvas.device).expand(B, T)
         logits = session.draft(positions) if T > 0 else None  # (B, T, V)
@@ -54,7 +54,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
         raise TypeError(f"order must be a str or a (B, T) tensor, got {type(order).__name__}")
     if T == 0:  # the empty sequence has probability 1
         return torch.zeros(B, device=x.device)
-    with torch.no_grad(), eval_mode(model):
+    with inference(model):
         if is_sigma_gpt(model):
             cfg = model.config
             tokens, in_pos, out_pos, targets = orders_mod.shuffle(x, order, cfg.bos_token_id, cfg.start_pos)

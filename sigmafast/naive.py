@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import reference as ref
-from .request import (ar_rank, build_stats, check_callback, draw, draw_burst, eval_mode, is_sigma_gpt, nonfinite_error,
+from .request import (ar_rank, build_stats, check_callback, draw, draw_burst, inference, is_sigma_gpt, nonfinite_error,
                       prepare)
 
 
@@ -120,7 +120,7 @@ def generate(
     if bool(known_now.all()):  # nothing to sample: no draw, no model call
         accepted, lengths, calls = [], None if req.strategy == "autoregressive" else [], 0
     else:
-        with torch.no_grad(), eval_mode(model):
+        with inference(model):
             accepted, lengths, calls = run(model, req, canvas, known_now, history, on_iteration)
     stats = build_stats(accepted, lengths, B, canvas.device, forward_calls + calls, time.perf_counter() - t0)
     return (canvas, stats) if return_stats else canvas

@@ -94,6 +94,17 @@ def eval_mode(model):
             model.train()
 
 
+@contextlib.contextmanager
+def inference(model):
+    """No autograd, dropout off (the training flag restored afterwards) and autocast off: the model runs in
+    its parameters' dtype, which is its KV cache's (an autocast around the call, as in nanoGPT's sample.py,
+    would hand the cache 16-bit keys). Cast the model itself to sample in 16 bits."""
+    param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    no_autocast = torch.autocast(param.device.type, enabled=False) if param is not None else contextlib.nullcontext()
+    with torch.no_grad(), no_autocast, eval_mode(model):
+        yield
+
+
 def is_sigma_gpt(model) -> bool:
     """True for the neural model (a module with a ``config``), False for an oracle."""
     return isinstance(model, nn.Module) and hasattr(model, "config")

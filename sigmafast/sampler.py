@@ -24,7 +24,7 @@ read); :mod:`sigmafast.runner` runs them eagerly or as CUDA graphs. The
 burst loops read one status per iteration on the host (the largest remaining
 count, which ends the loop and picks the R bucket, with the step's non-finite
 flag). With static shapes (an :class:`~sigmafast.runner.Engine` with buckets
-and ``lookahead``) the read lags one iteration behind the launches: iteration i + 1 is queued,
+and ``lookahead=True``) the read lags one iteration behind the launches: iteration i + 1 is queued,
 its R bucket bounded from iteration i - 1's status, before iteration i's status
 is read, so the device never waits for the host between iterations. The
 autoregressive loop reads two values in all (the number of steps, and after
@@ -70,7 +70,7 @@ from typing import Callable, Optional
 import torch
 
 from .engine import NeuralConditionals
-from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, draw, draw_burst, eval_mode,
+from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, draw, draw_burst, inference,
                       is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
@@ -138,7 +138,7 @@ def generate(
     autoregressive = req.strategy == "autoregressive"
     n_known = known_now.sum(1)
     fewest, most = torch.stack([n_known.min(), n_known.max()]).tolist()  # one host read for both tests
-    with torch.no_grad(), eval_mode(target):
+    with inference(target):
         if fewest == canvas.shape[1]:  # nothing to sample: no model call
             accepted, lengths, calls, prefill_calls = [], None if autoregressive else [], 0, 0
         else:
@@ -333,7 +333,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)
     B, T = req.canvas.shape
-    with torch.no_grad(), eval_mode(target):
+    with inference(target):
         positions = torch.arange(T, device=device)
         for M in sorted({engine.r_bucket(m, T) for m in range(1, T + 1)}):  # the prompts' prefill buckets
             for _ in range(2):  # eager (compiles), then captured

@@ -70,17 +70,19 @@ def spec_key(arg, specialize: bool = True, align: bool = True) -> tuple:
 
 
 class KernelVariants:
-    """What :func:`count_variants` recorded: per kernel name, the launches and the distinct keys."""
+    """What :func:`count_variants` recorded: per kernel name, the launches, the distinct keys and the
+    launch grids (padded to three axes)."""
 
     def __init__(self) -> None:
         self.keys: dict[str, set] = {}
         self.launches: dict[str, int] = {}
+        self.grids: dict[str, list] = {}
 
     def counts(self) -> dict[str, int]:
         """Kernel name -> number of variants Triton's JIT would have compiled."""
         return {name: len(keys) for name, keys in self.keys.items()}
 
-    def record(self, fn, args: tuple, kwargs: dict) -> None:
+    def record(self, fn, args: tuple, kwargs: dict, grid=None) -> None:
         import inspect
 
         sig = inspect.signature(fn.fn)
@@ -106,6 +108,8 @@ class KernelVariants:
         name = fn.fn.__name__
         self.keys.setdefault(name, set()).add((tuple(key), options))
         self.launches[name] = self.launches.get(name, 0) + 1
+        if isinstance(grid, tuple):
+            self.grids.setdefault(name, []).append(tuple(int(g) for g in grid) + (1,) * (3 - len(grid)))
 
 
 @contextlib.contextmanager
@@ -124,7 +128,7 @@ def count_variants() -> Iterator[KernelVariants]:
 
         def run(self, *args, grid, warmup, _original=original, **kwargs):
             if not warmup:
-                variants.record(self, args, kwargs)
+                variants.record(self, args, kwargs, grid)
             return _original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         cls.run = run

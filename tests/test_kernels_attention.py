@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device
+from helpers import count_variants, on_triton_device
 from sigmafast.kernels import attention
 from sigmafast.kernels import reference as ref
 
@@ -100,6 +100,23 @@ def test_split_kv_combine(num_splits):
     out = torch.full_like(qb, float("nan"))
     burst_attention(qb, kb, vb, kc, vc, lens, out=out, num_splits=num_splits)
     assert _rel_err(out, ref.burst_attention(qb, kb, vb, kc, vc, lens)) <= 1e-4
+
+
+def test_batch_and_heads_live_on_grid_axis_0():
+    """CUDA caps grid axes 1 and 2 at 65535 programs, and a GPT-2 batch of 8192 rows has 98304 (b, h)
+    pairs: B·H shares axis 0 with the query tiles, and the other axes do not grow with B or H. Several
+    query tiles and KV splits, so that the tile and (b, h) of a program and its partials' rows are checked."""
+    grids = {}
+    for B, H in ((1, 1), (3, 5)):
+        q, k, v, kc, vc, lens = _inputs((B, 3, H, 30, 16), B, H, 16, "ragged", seed=B + H)  # M = 90: 2 tiles
+        out = torch.full_like(q, float("nan"))
+        with count_variants() as launched:
+            verify_attention(q, k, v, kc, vc, lens, out=out, num_splits=3)
+        assert _rel_err(out, ref.verify_attention(q, k, v, kc, vc, lens)) <= 1e-4
+        grids[B * H] = {name: launched.grids[name] for name in ("_cascade_attn_kernel", "_combine_kernel")}
+    for name, (one, many) in {n: (grids[1][n], grids[15][n]) for n in grids[1]}.items():
+        assert [g[1:] for g in one] == [g[1:] for g in many], name
+        assert [15 * g[0] for g in one] == [g[0] for g in many], name
 
 
 def test_strided_inputs_and_scale():

@@ -209,9 +209,9 @@ def test_kernels_are_custom_ops():
         "burst_attention": (q, q, q, kc, kc, lens, None, 2),
         "verify_attention": (q[:, None].expand(2, 2, 5, 3, 16), q[:, None].expand(2, 2, 5, 3, 16),
                              q[:, None].expand(2, 2, 5, 3, 16), kc, kc, lens, 0.3, None),
-        "draft_logq": (logits, drafts, 0.8, 3, None),
-        "lm_head_logq": (hidden, weight, drafts, 0.0),
-        "sample": (logits, u, 1.0, None, None),
+        "draft_logq": (logits, drafts, 0.8, 3, None, None, None),
+        "lm_head_logq": (hidden, weight, drafts, 0.0, None, None),
+        "sample": (logits, u, 1.0, None, None, None, None),
         "residual_sample": (logits, logits.flip(0), u, 0.7, 2, 8),
         "commit": _commit_sample(g),
         "add_layer_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g),
@@ -232,7 +232,8 @@ def test_kernels_are_custom_ops():
                            *_dev(torch.randn(48, 16, generator=g), torch.randn(48, generator=g),
                                  torch.empty(2, 3, 4, 48))),
         "decide": (*_dev(torch.rand(2, 3, 5, generator=g) * 2, torch.zeros(2, 3, 5, dtype=torch.long),
-                         torch.rand(2, 3, 5, generator=g, dtype=torch.float64), torch.tensor([5, 2])), False, True),
+                         torch.rand(2, 3, 5, generator=g, dtype=torch.float64), torch.tensor([5, 2])), False, True,
+                   None),
         "flag_nonfinite": (*_dev(torch.randn(2, 3, 4, 9, generator=g).index_fill_(-1, torch.tensor([3]), float("nan")),
                                  torch.tensor([[[True, False, False, True]]]).expand(2, 1, 4),
                                  torch.zeros((), dtype=torch.bool)),),
@@ -255,6 +256,19 @@ def test_kernels_are_custom_ops():
     for name, args in samples.items():  # schema, fake (meta) function against the real one, no aliasing
         torch.library.opcheck(getattr(torch.ops.sigmafast, name).default, args,
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_ops_that_mutate_declare_no_defaults():
+    """torch 2.11 drops the trailing arguments left at their schema defaults before an op's ADInplaceOrView
+    kernel, which then indexes the mutated ones: ``sample(..., flag=None)`` raised IndexError on an H200
+    (2.13 fills the defaults back in first). Mutating ops therefore take every argument explicitly."""
+    from sigmafast.kernels import ops
+
+    for name in ops.OPS:
+        schema = getattr(torch.ops.sigmafast, name).default._schema
+        if schema.is_mutable:
+            defaults = [a.name for a in schema.arguments if a.has_default_value()]
+            assert not defaults, f"{name} mutates an argument and declares defaults for {defaults}"
 
 
 def test_torch_compile_fullgraph_traces_the_triton_ops():

@@ -165,7 +165,7 @@ def test_fused_feed_matches_the_model_embedding(pos_encoding):
     sessions = []
     with torch.no_grad():
         for fused in (True, False):
-            session = NeuralSession(model, B, 8, "triton")
+            session = NeuralSession(model, B, 8, "triton", fused_ends=True)
             if not fused:
                 session.embedding = None
             session.prefill(canvas, known)

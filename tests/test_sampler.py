@@ -182,6 +182,28 @@ def test_model_training_flag_is_restored(model):
     model.eval()
 
 
+@pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
+def test_autocast_around_the_call_changes_nothing(strategy):
+    """nanoGPT's sample.py calls ``generate`` inside ``torch.autocast``: the model still runs in its own
+    dtype (a float32 model here, the reference backend), so tokens and densities are those of the plain call."""
+    model = tiny_model(dtype=torch.float32)
+    idx, known = torch.tensor([[1, 2], [3, 0]]), torch.tensor([[True, False] * 4, [False, True] * 4])
+
+    def calls():
+        tokens = sigmafast.generate(model, idx, T - 2, temperature=0.8, top_k=3, strategy=strategy,
+                                    generator=torch.Generator().manual_seed(7))
+        canvas = torch.arange(2 * T).remainder(VOCAB - 1).view(2, T)
+        return (tokens, sigmafast.conditional_density(model, canvas, known),
+                sigmafast.log_likelihood(model, canvas, order="left-to-right"))
+
+    with sigmafast.kernels.use_backend("reference"):
+        want = calls()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = calls()
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
 BAD = [
     pytest.param(dict(idx=torch.full((1, 2), VOCAB)), ValueError, "vocab", id="token-out-of-vocab"),
     pytest.param(dict(idx=torch.full((1, 2), -1)), ValueError, "vocab", id="negative-token"),

@@ -29,7 +29,7 @@ import torch
 
 from .. import kernels
 from ..kernels.reference import inverse_cdf, process_logits
-from ..request import SampleStats, draw, eval_mode, prepare
+from ..request import SampleStats, draw, inference, prepare
 from .model import DiffusionGPT
 from .noise import alpha, uniform_posterior, uniform_tokens
 
@@ -109,7 +109,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: Optional[int] = None, *, 
     t0 = time.perf_counter()
     canvas, known_now = req.canvas, req.known
     counts = []
-    with torch.no_grad(), eval_mode(model):
+    with inference(model):
         if T > 0 and not bool(known_now.all()):  # one host read, before the loop
             canvas, counts = _run(model, canvas, known_now, S, req)
     calls = len(counts)
