@@ -289,3 +289,21 @@ def signal_in_val_loss(monkeypatch, call: int, after: int = 1) -> list:
 # a short scripts/train.py run (add --out-dir)
 BASE_ARGV = ["--task", "permutation", "--seq-len", "12", "--batch-size", "4", "--max-iters", "2",
              "--eval-iters", "1", "--num-eval-samples", "0"]
+
+
+def signals_at_step(monkeypatch, step: int, *signals) -> None:
+    """Have the trainer send ``signals`` to this process as it loads the first micro-batch of optimiser step
+    ``step``."""
+    import os
+
+    from sigmafast import train as train_mod
+
+    real_get_batch = train_mod.get_batch
+
+    def get_batch(task, cfg, i, index, start_pos, device):
+        if i == step and index == 0:
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+        return real_get_batch(task, cfg, i, index, start_pos, device)
+
+    monkeypatch.setattr(train_mod, "get_batch", get_batch)

@@ -1,18 +1,16 @@
 """Resuming a run: SIGINT / SIGTERM checkpoints, bitwise continuation, and the stored run's config."""
 
 import logging
-import os
 import signal
 
 import pytest
 import torch
 
-import sigmafast.train as train_mod
 from sigmafast import train_config
 from sigmafast.checkpoint import read_checkpoint
 from sigmafast.signals import StopRequest
 from sigmafast.train import TrainConfig, train
-from helpers import signal_in_val_loss, small_cfg, train_script
+from helpers import signal_in_val_loss, signals_at_step, small_cfg, train_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,21 +19,14 @@ def losses(result) -> dict[int, float]:
     return {e["iter"]: e["loss"] for e in result.train_log}
 
 
-def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
     kw = dict(order="curriculum", dropout=0.1, grad_accum=2, max_iters=10)
     straight = train(small_cfg(tmp_path / "a", **kw))
 
-    real_get_batch = train_mod.get_batch
-
-    def get_batch_then_sigterm(task, cfg, step, index, start_pos, device):
-        if step == 4 and index == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_get_batch(task, cfg, step, index, start_pos, device)
-
     handler_before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_sigterm)
-    first = train(small_cfg(tmp_path / "b", **kw))
-    monkeypatch.setattr(train_mod, "get_batch", real_get_batch)
+    with pytest.MonkeyPatch.context() as mp:
+        signals_at_step(mp, 4, signal.SIGTERM)
+        first = train(small_cfg(tmp_path / "b", **kw))
     assert first.interrupted and signal.getsignal(signal.SIGTERM) is handler_before
     assert read_checkpoint(first.checkpoint_path)["iter"] == 5
     assert sorted(losses(first)) == list(range(5))
@@ -74,15 +65,7 @@ def test_first_signal_asks_to_stop_once_and_a_second_exits_at_once(first, second
 
 def test_second_sigterm_stops_training_at_once(tmp_path, monkeypatch):
     """Two SIGTERMs inside a step: the run ends there, without finishing the step or saving."""
-    real_get_batch = train_mod.get_batch
-
-    def get_batch_then_two_sigterms(task, cfg, step, index, start_pos, device):
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_get_batch(task, cfg, step, index, start_pos, device)
-
-    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_two_sigterms)
+    signals_at_step(monkeypatch, 2, signal.SIGTERM, signal.SIGTERM)
     with pytest.raises(SystemExit):
         train(small_cfg(tmp_path, max_iters=50, eval_interval=50))
     assert not (tmp_path / "ckpt.pt").exists()

@@ -2,7 +2,6 @@
 that mirror TrainConfig."""
 
 import math
-import os
 import signal
 
 import pytest
@@ -12,7 +11,7 @@ import sigmafast.train as train_mod
 from sigmafast.checkpoint import read_checkpoint
 from sigmafast.train import TrainConfig, train
 from sigmafast import train_config
-from helpers import BASE_ARGV, small_cfg, train_script as load_script
+from helpers import BASE_ARGV, signals_at_step, small_cfg, train_script as load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,14 +121,7 @@ def test_script_help_names_the_task_recipe_defaults():
 
 
 def test_script_sigint_saves_checkpoint_and_exits(tmp_path, monkeypatch, capsys):
-    real_get_batch = train_mod.get_batch
-
-    def get_batch_then_sigint(task, cfg, step, index, start_pos, device):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_get_batch(task, cfg, step, index, start_pos, device)
-
-    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_sigint)
+    signals_at_step(monkeypatch, 1, signal.SIGINT)
     handler_before = signal.getsignal(signal.SIGINT)
     code = load_script().main(BASE_ARGV + ["--max-iters", "50", "--out-dir", str(tmp_path)])
     assert code == 130 and signal.getsignal(signal.SIGINT) is handler_before
@@ -138,15 +130,7 @@ def test_script_sigint_saves_checkpoint_and_exits(tmp_path, monkeypatch, capsys)
 
 
 def test_script_second_sigint_exits_at_once_without_a_traceback(tmp_path, monkeypatch, capsys):
-    real_get_batch = train_mod.get_batch
-
-    def get_batch_then_sigint(task, cfg, step, index, start_pos, device):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_get_batch(task, cfg, step, index, start_pos, device)
-
-    monkeypatch.setattr(train_mod, "get_batch", get_batch_then_sigint)
+    signals_at_step(monkeypatch, 1, signal.SIGINT, signal.SIGINT)
     handler_before = signal.getsignal(signal.SIGINT)
     try:
         code = load_script().main(BASE_ARGV + ["--max-iters", "50", "--out-dir", str(tmp_path)])
