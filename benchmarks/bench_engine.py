@@ -23,8 +23,8 @@ CUDA and float32 on CPU:
   the new-token count), so one more, untimed call syncs after every iteration
   (``on_iteration``) and reports the first iteration (with the prefill) and the
   median of the later ones apart; ``later_iterations_ms`` is the timed calls'
-  time less that first iteration, per later iteration (unsynced: the engine
-  queues each iteration before reading the previous one's status).
+  time less that first iteration, per later iteration (unsynced: the timed
+  calls sync only on the engine's status reads).
   ``burst-lookahead-<shape>-B<b>``: the same through ``Engine(lookahead=True)``,
   which queues each iteration before reading the previous one's status; ``burst-lossless``: with
   ``generate``'s default rule (one order, lossless: a residual draw per
@@ -353,7 +353,7 @@ def test_engine(benchmark, strategy, shape, batch):
                     ms_per_iteration=1e3 * wall / max(int(iters.max()), 1), ms_per_token=1e3 * wall / NEW,
                     synced_first_iteration_ms=per_iter[0] if per_iter else None,  # prompt prefill included
                     synced_later_iterations_ms_median=statistics.median(per_iter[1:]) if per_iter[1:] else None,
-                    # the timed calls' later iterations, unsynced (the engine queues one ahead of its status read)
+                    # the timed calls' later iterations (unsynced: only the engine's own status reads)
                     later_iterations_ms=(1e3 * wall - per_iter[0]) / (len(per_iter) - 1) if per_iter[1:] else None)
     benchmark.extra_info.update(info)
 

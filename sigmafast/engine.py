@@ -51,8 +51,9 @@ class FusedEnds(SublayerEnds):
     """The sublayer ends as Triton kernels, for steps nothing traces. In a narrow model (C <=
     ``kernels.checks.FUSED_END_WIDTH``) the output projection or the whole MLP, the residual add, the
     next norm and the next block's QKV projection are one kernel (``kernels.linear_add_norm``,
-    ``kernels.mlp_add_norm``); in a wider one, or with ``narrow=False`` (to time the two against each
-    other), the matmuls stay cuBLAS's and the add + norm is one kernel (``kernels.add_layer_norm``).
+    ``kernels.mlp_add_norm``) with ``narrow=True`` (``Engine(fused_ends=True)``, opt-in); in a wider one,
+    or with ``narrow=False`` (the engine's default: faster on an H200), the matmuls stay cuBLAS's and the
+    add + norm is one kernel (``kernels.add_layer_norm``).
     Modules in training mode (dropout) and norms that :func:`norm_params` does not know run as they are."""
 
     def __init__(self, narrow: bool = True) -> None:

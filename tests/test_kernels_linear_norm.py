@@ -248,9 +248,9 @@ def test_fused_ends_take_the_later_blocks_matmuls(mlp_ratio):
 
 
 def test_engine_without_fused_ends_keeps_the_matmuls_and_the_tokens():
-    assert sigmafast.Engine(tiny_model(dtype=torch.float32)).fused_ends is False
     """The default engine (``fused_ends=False``) launches no sublayer-end kernel and samples the same tokens
     as ``Engine(fused_ends=True)``, which launches both."""
+    assert sigmafast.Engine(tiny_model(dtype=torch.float32)).fused_ends is False
     model = tiny_model(vocab_size=7, block_size=12, seed=1, std=0.5, dtype=torch.float32).to(DEVICE)
     idx = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     out, launched = {}, {}
