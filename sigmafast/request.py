@@ -8,6 +8,7 @@ so the draws live here (see :mod:`sigmafast.sampler` for the protocol).
 from __future__ import annotations
 
 import contextlib
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
@@ -129,8 +130,10 @@ def model_limits(model) -> tuple[int, int, torch.device]:
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    """``value`` as a Python int: an int or a NumPy integer, never a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -182,7 +185,7 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
     if known is None:
         if max_new_tokens is None:
             raise ValueError("max_new_tokens is required when known is None (prompt mode)")
-        _check_int("max_new_tokens", max_new_tokens, 0)
+        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
         canvas = torch.cat([idx.long(), idx.new_zeros(B, max_new_tokens, dtype=torch.long)], 1)
         known = torch.zeros_like(canvas, dtype=torch.bool)
         known[:, : idx.shape[1]] = True
@@ -206,8 +209,8 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         raise ValueError(f"idx's known tokens must be ids in [0, vocab_size={vocab_size})")
     check_temperature(temperature)
     if top_k is not None:
-        _check_int("top_k", top_k, 1)
-    _check_int("num_orders", num_orders, 1)
+        top_k = _check_int("top_k", top_k, 1)
+    num_orders = _check_int("num_orders", num_orders, 1)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if acceptance not in ACCEPTANCE_RULES:

@@ -182,6 +182,18 @@ def test_model_training_flag_is_restored(model):
     model.eval()
 
 
+def test_numpy_integers_count_as_ints(model):
+    """Sizes read from a NumPy array (``np.int64``) are ints to ``generate``, as to nanoGPT's."""
+    idx = torch.tensor([[1, 2]])
+    for kw in (dict(acceptance="paper", num_orders=3), dict(top_k=2), dict(strategy="autoregressive", top_k=3)):
+        want = sigmafast.generate(model, idx, T - 2, generator=torch.Generator().manual_seed(3), **kw)
+        as_numpy = {k: np.int64(v) if isinstance(v, int) else v for k, v in kw.items()}
+        got = sigmafast.generate(model, idx, np.int64(T - 2), generator=torch.Generator().manual_seed(3), **as_numpy)
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="top_k must be an int, got bool"):
+        sigmafast.generate(model, idx, T - 2, top_k=True)
+
+
 @pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
 def test_autocast_around_the_call_changes_nothing(strategy):
     """nanoGPT's sample.py calls ``generate`` inside ``torch.autocast``: the model still runs in its own
