@@ -129,7 +129,7 @@ def model_limits(model) -> tuple[int, int, torch.device]:
     )
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def check_int(name: str, value, minimum: int) -> int:
     """``value`` as a Python int: an int or a NumPy integer, never a bool."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -185,7 +185,7 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
     if known is None:
         if max_new_tokens is None:
             raise ValueError("max_new_tokens is required when known is None (prompt mode)")
-        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
         canvas = torch.cat([idx.long(), idx.new_zeros(B, max_new_tokens, dtype=torch.long)], 1)
         known = torch.zeros_like(canvas, dtype=torch.bool)
         known[:, : idx.shape[1]] = True
@@ -209,8 +209,8 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         raise ValueError(f"idx's known tokens must be ids in [0, vocab_size={vocab_size})")
     check_temperature(temperature)
     if top_k is not None:
-        top_k = _check_int("top_k", top_k, 1)
-    num_orders = _check_int("num_orders", num_orders, 1)
+        top_k = check_int("top_k", top_k, 1)
+    num_orders = check_int("num_orders", num_orders, 1)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if acceptance not in ACCEPTANCE_RULES:

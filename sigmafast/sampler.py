@@ -70,8 +70,8 @@ from typing import Callable, Optional
 import torch
 
 from .engine import NeuralConditionals
-from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, draw, draw_burst, inference,
-                      is_sigma_gpt, nonfinite_error, prepare)
+from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, check_int, draw, draw_burst,
+                      inference, is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
 
@@ -320,11 +320,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     Engines without buckets (the CPU default) run exact shapes: there is nothing to prepare."""
     engine = model if isinstance(model, Engine) else Engine.for_model(model)
     target = engine.model
-    for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    batch_size, seq_len = check_int("batch_size", batch_size, 1), check_int("seq_len", seq_len, 0)
     device = next(target.parameters()).device
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,

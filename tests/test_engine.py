@@ -252,10 +252,12 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, buckets="false")
     with pytest.raises(TypeError, match="cuda_graphs must be None or a bool, got int"):
         sigmafast.Engine(model, cuda_graphs=0)
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         sigmafast.warmup(model, 0, T)
-    with pytest.raises(TypeError, match="batch_size must be an int >= 1, got float"):
+    with pytest.raises(TypeError, match="batch_size must be an int, got float"):
         sigmafast.warmup(model, 1.0, T)
+    with pytest.raises(ValueError, match="seq_len must be >= 0, got -1"):
+        sigmafast.warmup(model, 1, -1)
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         sigmafast.warmup(model, 2, T + 1)
 
