@@ -102,6 +102,13 @@ def _cases(dtype: torch.dtype):
         yield f"sample T={T} top-k={k}", lambda T=T, k=k: sampling.launch(x, None, u, T, k)
         yield f"residual sample T={T} top-k={k}", lambda T=T, k=k: sampling.launch(x, p, u, T, k)
         yield f"draft log q T={T} top-k={k}", lambda T=T, k=k: accept.draft_logq(x, d, T, k, None, *ratio)
+    for Vs in (300, 1000, 4097):  # 1 to 3 chunks a row: Triton 3.6 failed on their token search (vocab.MIN_NC_PAD)
+        xs, ps, ds = x[:, :Vs], p[:, :Vs], d % Vs
+        for k in (None, 3):
+            yield f"sample V={Vs} top-k={k}", lambda a=(xs, None, u, 0.8, k): sampling.launch(*a)
+            yield f"residual sample V={Vs} top-k={k}", lambda a=(xs, ps, u, 0.8, k): sampling.launch(*a)
+            yield f"draft log q V={Vs} top-k={k}", lambda a=(xs, ds, 0.8, k, None, *ratio): accept.draft_logq(*a)
+        yield f"fused LM head log q V={Vs}", lambda a=(h, w[:Vs], ds, 1.0, *ratio): accept.lm_head_logq(*a)
     yield "draft argmax (greedy acceptance)", lambda: accept.draft_logq(x, d, 0.0)
     yield "top-k threshold (chunk-max prefilter)", lambda: topk.kth_largest(x, 50)
     yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)

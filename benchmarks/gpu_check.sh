@@ -9,7 +9,8 @@
 # tests of vocab and fused ran past 70 and 60 s), so the timings come first; in one call the engine part
 # times sigmafast alone (the issue 9 targets); "anchors" (HF transformers and the compiled
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
-# parts for a second call; engine-ar and engine-burst split the engine part in two, each with its own JSON.
+# parts for a second call; engine-ar and engine-burst split the engine part in two, each with its own JSON;
+# "topk" runs the top-k tests compiled (also in "fused"), "sweep" times the vocabulary kernels' tilings.
 # pytest-benchmark writes its JSON only when a session ends, but cases.jsonl (SIGMAFAST_BENCH_LOG) gets
 # each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
 # module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
@@ -53,6 +54,8 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
         -q -p no:cacheprovider -rs ;;
     vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \
         tests/test_kernels_sampling.py -q -p no:cacheprovider -rs ;;
+    topk) run topk "${GPU_TOPK_LIMIT:-60}" python -m pytest tests/test_kernels_topk.py -q -p no:cacheprovider -rs ;;
+    sweep) run sweep "${GPU_SWEEP_LIMIT:-100}" python benchmarks/sweep_vocab.py --json "$LOGS/sweep.json" ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$LOGS/engine.json" -k "${GPU_ENGINE_K:-test_first_call or (test_engine and not inductor)}" ;;
     anchors) run anchors "${GPU_ANCHORS_LIMIT:-300}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \

@@ -52,9 +52,11 @@ from .vocab import (aligned_rows, chunk_stats, processed, row_masses, row_window
 
 
 SCORINGS = ("matmul", "fused")
-SCORING = "matmul"  # H200, 1280 x 768 -> 50257 bf16 (issue 10): fused 3.30 ms, matmul + log q kernel 1.21 ms
+SCORING = "matmul"  # H200, 1280 x 768 -> 50257 bf16, graphed: fused 0.89 ms, padded head + log q kernel 0.25 ms
 CHUNK_ELEMENTS = 1 << 25  # logits per matmul chunk (64 MiB in bf16)
 FINISH_ROWS = 64  # rows per program of _logq_finish_kernel
+FIXED_ONE = tl.constexpr(2.0 ** 50)  # the unit of fixed_point_lse
+CANDIDATE_DEVICES = ("cuda",)  # top-k log q from the prefilter's candidates (interpreted: slow over many rows)
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,6 +122,19 @@ def _logq_finish_kernel(
     store_logq(LOGQ, DLP, RATIO, o_n64, m_n, b_xd - r_m - tl.log(r_t), HAS_DLP)
 
 
+@triton.jit
+def fixed_point_lse(b_x):
+    """(1, CAP) candidates -> their max and sum of exp(x - max), the same whatever their order in the list
+    (``topk._collect_kernel`` appends them by atomic slots, in an order that varies between runs on a GPU): each
+    term in [0, 1] is truncated to a multiple of 2^-50 and the terms are added as int64, exactly (1024 of them
+    stay below 2^61). A NaN term makes the sum NaN, as a float sum would."""
+    b_m = tl.max(b_x, 1)
+    m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_e = exp_ftz(b_x - m_use[:, None])
+    b_fix = tl.sum(tl.where(b_e == b_e, b_e * FIXED_ONE, 0.0).to(tl.int64), 1)
+    return b_m, b_fix.to(tl.float32) * (1.0 / FIXED_ONE) + tl.sum(tl.where(b_e == b_e, 0.0, b_e), 1)
+
+
 @triton.jit(do_not_specialize=["s_x", "N", "V"], do_not_specialize_on_alignment=["DRAFT", "KTH", "DLP", "RATIO"])
 def _topk_logq_kernel(
     X, DRAFT, KTH, CAND, COUNT, LOGQ, DLP, RATIO, s_x, N, V, temperature,
@@ -146,7 +161,7 @@ def _topk_logq_kernel(
         m_s = o_s < count[:, None]
         b_key = tl.load(CAND + o_n64[:, None] * CAP + o_s, mask=m_s, other=0)
         b_x = tl.where(m_s, key_value(b_key.to(tl.uint32, bitcast=True).to(tl.int64)), float("-inf"))
-        b_m, b_s = online_lse(b_m, b_s, processed(b_x, kth[:, None], temperature, True))  # as the chunk path
+        b_m, b_s = fixed_point_lse(processed(b_x, kth[:, None], temperature, True))  # as the chunk path
     d = tl.load(DRAFT + o_n64, mask=m_n, other=0).to(tl.int64)
     m_d = m_n & (d >= 0) & (d < V)  # a draft outside the vocabulary has log q = -inf
     b_xd = window_load(X + o_n64 * s_x, d, m_d, m_d, kth, temperature, True)
@@ -207,10 +222,10 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None, draft_logp
             num_warps=num_warps,
         )
         return res
-    if logits.is_cuda and top_k is not None and top_k < V:  # one read: the log-sum-exp from the candidates
-        res = topk_logq(logits, drafts, temperature, top_k, block_v, draft_logp=draft_logp, log_ratio=log_ratio)
-        if res is not None:
-            return res
+    if logits.device.type in CANDIDATE_DEVICES and top_k is not None and top_k < V:  # one read of the row
+        scored = topk_logq(logits, drafts, temperature, top_k, block_v, draft_logp=draft_logp, log_ratio=log_ratio)
+        if scored is not None:
+            return scored
     cfg = split_config(V, logits.dtype, block_v)
     logits = aligned_rows(logits, cfg.unit)
     kth = threshold(logits, top_k, block_v)

@@ -62,6 +62,8 @@ CHUNK = 2048  # default BLOCK_V: 4 KB (bf16) to 8 KB (fp32) per row per program
 TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) tile of partials
 MAX_ROWS = 256
 PERSISTENT = True  # streaming kernels: one wave of looping programs (False: one program per tile)
+STREAM_WARPS = 4  # warps of the kernels that stream every chunk (see split_config)
+MIN_NC_PAD = 32  # Triton 3.6 fails to lower the token search's cumsum over a (BLOCK_N, 2 or 4) tile with 8 warps
 
 
 class SplitConfig(tuple):
@@ -88,14 +90,18 @@ def split_config(V: int, dtype: torch.dtype, block_v: Optional[int] = None) -> S
     Warps (sm_90 SASS, ``benchmarks/compile_sm90.py``): the streaming kernels take 4, so that each thread
     holds 64 elements of the 8192-element tile and the row reductions' shuffles are shared by twice as many
     (bf16 chunk statistics 14.8 -> 10.6 instructions per element, residual masses 34.0 -> 20.5); the
-    per-row kernels (token search, radix histogram) keep 8, which they need to stay clear of spills."""
+    per-row kernels (token search, radix histogram) keep 8, which they need to stay clear of spills.
+
+    The chunk partials are padded to at least ``MIN_NC_PAD`` columns (masked): with fewer, Triton 3.6 fails
+    to compile the token search for sm_90 (an assertion in its scan lowering, ``ScanOpToLLVM.cpp``) at
+    vocabularies of about 257 to 4097, where a row has 1 to 4 chunks (Triton 3.9 compiles them)."""
     align = 16 // torch.empty((), dtype=dtype).element_size()  # elements per 16 bytes
     block_v = block_v or min(triton.next_power_of_2(V), CHUNK)
     nc = triton.cdiv(V + align - 1, block_v)
-    nc_pad = max(2, triton.next_power_of_2(nc))
+    nc_pad = max(MIN_NC_PAD, triton.next_power_of_2(nc))
     block_n = max(1, min(TILE // block_v, TILE // nc_pad, MAX_ROWS))
     num_warps = 4 if block_n * block_v <= 2048 else 8
-    return SplitConfig((block_v, block_n, nc, nc_pad, num_warps, 16 if V % 16 == 0 else 1, align, 4))
+    return SplitConfig((block_v, block_n, nc, nc_pad, num_warps, 16 if V % 16 == 0 else 1, align, STREAM_WARPS))
 
 
 @triton.jit

@@ -293,15 +293,17 @@ def test_engine_follows_replaced_weights(model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("strategy,acceptance,num_orders", [("burst", "paper", 3), ("burst", "lossless", 1),
-                                                            ("autoregressive", "lossless", 1)])
-def test_cuda_graphs_replay_the_eager_tokens(strategy, acceptance, num_orders):
-    """On CUDA, generate replays captured steps; the tokens equal an eager run of the same shapes."""
+@pytest.mark.parametrize("strategy,acceptance,num_orders,top_k", [
+    ("burst", "paper", 3, None), ("burst", "paper", 3, 3), ("burst", "lossless", 1, None),
+    ("burst", "lossless", 1, 2), ("autoregressive", "lossless", 1, None)])
+def test_cuda_graphs_replay_the_eager_tokens(strategy, acceptance, num_orders, top_k):
+    """On CUDA, generate replays captured steps; the tokens equal an eager run of the same shapes (top-k
+    included: a vocabulary too small for the top-k prefilter takes the chunk statistics)."""
     model = tiny_model(VOCAB, 40, seed=3, std=0.5, dtype=torch.float32).cuda()
     eager = sigmafast.Engine(model, buckets=True, cuda_graphs=False)
     graphs = sigmafast.Engine(model)
     assert graphs.cuda_graphs
-    kwargs = dict(strategy=strategy, acceptance=acceptance, num_orders=num_orders, return_stats=True)
+    kwargs = dict(strategy=strategy, acceptance=acceptance, num_orders=num_orders, top_k=top_k, return_stats=True)
     with kernels.use_backend("triton"):
         assert graphs.backend == "triton"
         for seed in range(6):  # the first call runs eagerly, later ones capture and replay

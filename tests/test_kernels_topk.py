@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from helpers import assert_log_ratio, on_triton_device
+from helpers import assert_log_ratio, on_triton_device, triton_device
 from sigmafast.kernels import reference as ref
 from sigmafast.kernels import topk
 
@@ -199,6 +199,43 @@ def test_topk_log_q_from_the_candidates_matches_the_reference(case, dtype, tempe
     assert_log_ratio(lambda logp, ratio: on_triton_device(accept.topk_logq)(
         x, drafts, temperature, k, block_v, chunk, **({"cap": cap} if cap else {}), chunks_per_k=1, draft_logp=logp,
         log_ratio=ratio), got, N)
+
+
+def test_topk_log_q_is_the_same_in_any_candidate_order(monkeypatch, poisoned_empty):
+    """On a GPU the prefilter appends a row's candidates by atomic slots, in an order that varies from run to
+    run: log q and the log ratio must not depend on it, bit for bit (the same seed, the same tokens)."""
+    from sigmafast.kernels import accept
+
+    g = torch.Generator().manual_seed(21)
+    N, V, k = 16, 3000, 60
+    x = torch.randn(N, V, generator=g)
+    drafts = torch.where(torch.arange(N) % 2 == 0, x.argmax(-1), torch.randint(0, V, (N,), generator=g))
+    logp = -5 * torch.rand(N, generator=g)
+
+    def call():
+        ratio = torch.empty(N, device=triton_device())
+        logq = on_triton_device(accept.topk_logq)(x, drafts, 0.9, k, None, 16, chunks_per_k=1,
+                                                  draft_logp=logp.to(ratio.device), log_ratio=ratio)
+        return logq, ratio.cpu()
+
+    first = call()
+    real = accept.prefilter
+
+    def shuffled(*args, **kwargs):
+        kth, cand, count = real(*args, **kwargs)
+        assert int(count.max()) <= cand.shape[1]  # no overflow: every row sums its candidates
+        for i, c in enumerate(count.tolist()):
+            cand[i, :c] = cand[i, :c][torch.randperm(c, generator=g).to(cand.device)]
+        return kth, cand, count
+
+    monkeypatch.setattr(accept, "prefilter", shuffled)
+    for _ in range(3):
+        again = call()
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    want = ref.log_probs(x, 0.9, k).gather(-1, drafts[:, None]).squeeze(-1)
+    torch.testing.assert_close(first[0][want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-5)
+    x[3, 7] = float("nan")  # a row that is not finite keeps a NaN log q (the decisions flag it)
+    assert call()[0].isnan().tolist() == [i == 3 for i in range(N)]
 
 
 def test_topk_log_q_needs_the_prefilter():

@@ -10,7 +10,7 @@ import triton
 
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
-from helpers import assert_log_ratio, on_triton_device
+from helpers import assert_log_ratio, on_triton_device, triton_device
 from sigmafast.kernels import accept, sampling
 from sigmafast.kernels import reference as ref
 
@@ -116,6 +116,26 @@ def test_draft_logq_edge_cases(case, poisoned_empty):
     assert torch.equal(draft_logq(x, drafts, 0.0, None, bv), x.argmax(-1))
 
 
+@pytest.mark.parametrize("V, k", [(300, 7), (3000, 5)], ids=["too-few-chunks-per-k", "prefilter"])
+def test_draft_logq_tries_the_candidates_first(V, k, monkeypatch, poisoned_empty):
+    """Where ``draft_logq`` takes the top-k log-sum-exp from the prefilter's candidates (CUDA; here forced in
+    the interpreter too), rows with too few chunks per k fall back to the chunk statistics: both paths give
+    the reference's log q and log ratio."""
+    monkeypatch.setattr(accept, "CANDIDATE_DEVICES", ("cpu", "cuda"))
+    tried = []
+    real = accept.topk_logq
+    monkeypatch.setattr(accept, "topk_logq", lambda *a, **kw: tried.append(real(*a, **kw)) or tried[-1])
+    g = torch.Generator().manual_seed(V + k)
+    x = torch.randn(9, V, generator=g) * 3
+    drafts = torch.where(torch.arange(9) % 2 == 0, x.argmax(-1), torch.randint(0, V, (9,), generator=g))
+    got = draft_logq(x, drafts, 0.8, k, None)
+    assert [t is None for t in tried] == [V == 300]
+    want = ref.log_probs(x, 0.8, k).gather(-1, drafts[:, None]).squeeze(-1)
+    assert torch.equal(got.isfinite(), want.isfinite())
+    torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], rtol=0, atol=1e-5)
+    assert_log_ratio(lambda logp, ratio: draft_logq(x, drafts, 0.8, k, None, logp, ratio), got, V)
+
+
 def test_draft_outside_the_vocabulary_has_log_q_minus_inf(poisoned_empty):
     """A draft id outside [0, V) is never read from memory: its log q is -inf, the other rows are exact."""
     g = torch.Generator().manual_seed(11)
@@ -203,13 +223,16 @@ def test_low_precision_odd_strides(dtype, poisoned_empty):
 def test_persistent_stream_matches_one_program_per_tile(dtype, T, k, monkeypatch, poisoned_empty):
     """The streaming kernels' persistent programs (each looping over its tiles, the next one's loads issued
     before the current one is reduced) write bit-identically what one program per tile writes: every tile,
-    the ragged last row block and the edge chunks included, with more tiles than programs."""
+    the ragged last row block and the edge chunks included, with more tiles than programs (one per SM)."""
     from sigmafast.kernels import topk, vocab
 
+    monkeypatch.setattr(vocab, "resident_programs", lambda *args: 1)
     g = torch.Generator().manual_seed(3)
-    N, V = 300, 1000  # 3 row blocks x 16 chunks of 64: 48 tiles for the interpreter's 16 programs
-    q = (torch.randn(N, V, generator=g) * 3).to(dtype)
-    p = (q.float() + torch.randn(N, V, generator=g)).to(dtype)
+    device = triton_device()
+    # 16 chunks of 64 columns; 3 row blocks (48 tiles) for the interpreter's 4 programs, 19 for a GPU's SMs
+    N, V = (300 if device == "cpu" else 2400), 1000
+    q = (torch.randn(N, V, generator=g) * 3).to(dtype).to(device)
+    p = (q.float() + torch.randn(N, V, generator=g).to(device)).to(dtype)
     q[7, 500:] = float("-inf")  # a row whose later chunks hold nothing
     cfg = vocab.split_config(V, dtype, 64)
     kq, kp = (topk.threshold(x, k, 64) for x in (q, p))

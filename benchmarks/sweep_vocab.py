@@ -1,0 +1,99 @@
+"""Sweep the split-V streaming tiles of the vocabulary kernels on a GPU.
+
+    python benchmarks/sweep_vocab.py [--rows 1280] [--layouts] [--json FILE]
+
+``kernels/vocab.py`` fixes the tiling of the streaming kernels (chunk statistics, residual masses) with
+module constants: ``CHUNK`` (columns per tile), ``TILE`` (elements per tile), ``STREAM_WARPS`` and
+``PERSISTENT`` (one wave of looping programs, or one program per tile). This script times the three ops
+that stream GPT-2's 50257-wide bf16 rows (log q of drafts for the acceptance, the sample, the residual
+sample) under each combination, replayed as CUDA graphs with L2 flushed by reading (as
+``bench_kernels.py``), and prints the share of copy bandwidth per op, best first. Each combination's kernels
+compile once, outside the timings. The defaults are the constants' values when the script starts; a
+combination that fails to compile or run is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+import torch  # noqa: E402
+from _timing import copy_bandwidth_gbps, graph_timings  # noqa: E402
+
+VOCAB = 50257
+
+
+def _ops(rows: int, dtype: torch.dtype):
+    """(name, thunk, bytes read) of the three streaming ops on fresh random logits."""
+    from sigmafast.kernels import accept, sampling
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.randn(rows, VOCAB, device="cuda", generator=g) * 3).to(dtype)
+    p = (q.float() + torch.randn(rows, VOCAB, device="cuda", generator=g)).to(dtype)
+    u = torch.rand(rows, device="cuda", generator=g)
+    drafts = torch.randint(0, VOCAB, (rows,), device="cuda", generator=g)
+    nbytes = q.numel() * q.element_size()
+    return [
+        ("draft_logq", lambda: accept.draft_logq(q, drafts, 1.0), nbytes),
+        ("sample", lambda: sampling.sample(q, u, 1.0, None), nbytes),
+        ("residual_sample", lambda: sampling.residual_sample(q, p, u, 1.0, None), 2 * nbytes),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1280, help="logit rows (1280: B=4, 5 orders, R=64)")
+    parser.add_argument("--layouts", action="store_true", help="also one program per tile (PERSISTENT False)")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_vocab.py needs a CUDA device")
+    from sigmafast.kernels import vocab
+
+    default = dict(CHUNK=vocab.CHUNK, TILE=vocab.TILE, STREAM_WARPS=vocab.STREAM_WARPS, PERSISTENT=vocab.PERSISTENT)
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s; defaults {default}", flush=True)
+    grid = dict(CHUNK=[1024, 2048, 4096], TILE=[8192, 16384], STREAM_WARPS=[4, 8],
+                PERSISTENT=[True, False] if args.layouts else [default["PERSISTENT"]])
+    ops = _ops(args.rows, torch.bfloat16)
+    rows = []
+    try:
+        for combo in itertools.product(*grid.values()):
+            cfg = dict(zip(grid, combo))
+            for name, value in cfg.items():
+                setattr(vocab, name, value)
+            for op, fn, nbytes in ops:
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    ms, flushed, err = graph_timings(fn)
+                except Exception as e:  # a combination that does not compile or fit: report it, go on
+                    torch.cuda.synchronize()
+                    ms, flushed, err = None, None, f"{type(e).__name__}: {str(e)[:160]}"
+                share = None if flushed is None else nbytes / flushed / 1e6 / copy_gbps
+                rows.append(dict(cfg, op=op, ms=ms, read_flushed_ms=flushed, share=share, error=err))
+                print(f"{op:16s} {cfg} " + (f"{flushed * 1e3:7.1f} us {share:6.1%}" if share else f"error {err}"),
+                      flush=True)
+    finally:
+        for name, value in default.items():
+            setattr(vocab, name, value)
+    print("\nbest per op (share of copy bandwidth, L2 flushed by reading):")
+    for op, _, _ in ops:
+        done = sorted((r for r in rows if r["op"] == op and r["share"]), key=lambda r: -r["share"])
+        base = next((r for r in done if all(r[k] == v for k, v in default.items())), None)
+        for r in done[:3]:
+            print(f"  {op:16s} {r['share']:6.1%}  CHUNK={r['CHUNK']} TILE={r['TILE']} "
+                  f"STREAM_WARPS={r['STREAM_WARPS']} PERSISTENT={r['PERSISTENT']}")
+        if base:
+            print(f"  {op:16s} {base['share']:6.1%}  (defaults)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
