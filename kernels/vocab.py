@@ -63,7 +63,7 @@ TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) t
 MAX_ROWS = 256
 PERSISTENT = True  # streaming kernels: one wave of looping programs (False: one program per tile)
 STREAM_WARPS = 4  # warps of the kernels that stream every chunk (see split_config)
-MIN_NC_PAD = 32  # Triton 3.6 fails to lower the token search's cumsum over a (BLOCK_N, 2 or 4) tile with 8 warps
+MIN_NC_PAD = 8  # Triton 3.6 fails to lower the token search's cumsum over a (BLOCK_N, 2 or 4) tile with 8 warps
 
 
 class SplitConfig(tuple):
@@ -92,7 +92,7 @@ def split_config(V: int, dtype: torch.dtype, block_v: Optional[int] = None) -> S
     (bf16 chunk statistics 14.8 -> 10.6 instructions per element, residual masses 34.0 -> 20.5); the
     per-row kernels (token search, radix histogram) keep 8, which they need to stay clear of spills.
 
-    The chunk partials are padded to at least ``MIN_NC_PAD`` columns (masked): with fewer, Triton 3.6 fails
+    The chunk partials are padded to at least ``MIN_NC_PAD`` columns (masked): with 2 or 4, Triton 3.6 fails
     to compile the token search for sm_90 (an assertion in its scan lowering, ``ScanOpToLLVM.cpp``) at
     vocabularies of about 257 to 4097, where a row has 1 to 4 chunks (Triton 3.9 compiles them)."""
     align = 16 // torch.empty((), dtype=dtype).element_size()  # elements per 16 bytes
