@@ -178,6 +178,11 @@ def _cases(dtype: torch.dtype):
         feed = (torch.tensor([3, 9]), torch.tensor([1024, 7]), torch.randint(0, V, (2, 5, 256), generator=g), orders)
         yield f"feed embedding + LayerNorm C={C}", lambda f=feed, t=(wte, pe, w, b): embed.launch(
             *f, t[0], t[1], t[1], t[2], t[3], 1e-5)
+    for C in (2, 8):  # rows narrower than a tl.dot's 16 columns: the kernel must not compile its projection
+        wte, pe = torch.randn(V, C, generator=g).to(dtype), torch.randn(1025, C // 2, generator=g).to(dtype)
+        w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
+        yield f"feed embedding + LayerNorm C={C}", lambda f=feed, t=(wte, pe, w, b): embed.launch(
+            *f, t[0], t[1], t[1], t[2], t[3], 1e-5)
 
 
 def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None:

@@ -72,15 +72,18 @@ def project_rows(b_h, WQ, BQ, Q, o_m, m_m, o_c, m_c, s_q, C: tl.constexpr, Q3: t
                  HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr):
     """The next block's QKV projection ``b_h WQ^T + BQ`` of the (BLOCK_M, BLOCK_C) normalised rows ``b_h`` (in
     the output dtype; columns past C zero), WQ (Q3, C) contiguous, stored to rows ``o_m`` (int64) of Q (row
-    stride s_q) in BLOCK_Q-wide chunks, the output rounded once as the eager addmm's. Nothing when Q3 == 0."""
-    for q0 in range(0, Q3, BLOCK_Q):
-        o_q = q0 + tl.arange(0, BLOCK_Q).to(tl.int64)
-        m_q = o_q < Q3
-        b_wt = tl.load(WQ + o_q[None, :] * C + o_c[:, None], mask=m_c[:, None] & m_q[None, :], other=0.0)
-        b_p = tl.dot(b_h, b_wt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_Q)
-        if HAS_QB:
-            b_p += tl.load(BQ + o_q, mask=m_q, other=0.0).to(tl.float32)[None, :]
-        tl.store(Q + o_m[:, None] * s_q + o_q[None, :], b_p.to(Q.dtype.element_ty), mask=m_m[:, None] & m_q[None, :])
+    stride s_q) in BLOCK_Q-wide chunks, the output rounded once as the eager addmm's. Nothing when Q3 == 0: not
+    even compiled, as the rows' tile may then be narrower than the 16 columns a tl.dot needs."""
+    if Q3 > 0:
+        for q0 in range(0, Q3, BLOCK_Q):
+            o_q = q0 + tl.arange(0, BLOCK_Q).to(tl.int64)
+            m_q = o_q < Q3
+            b_wt = tl.load(WQ + o_q[None, :] * C + o_c[:, None], mask=m_c[:, None] & m_q[None, :], other=0.0)
+            b_p = tl.dot(b_h, b_wt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_Q)
+            if HAS_QB:
+                b_p += tl.load(BQ + o_q, mask=m_q, other=0.0).to(tl.float32)[None, :]
+            tl.store(Q + o_m[:, None] * s_q + o_q[None, :], b_p.to(Q.dtype.element_ty),
+                     mask=m_m[:, None] & m_q[None, :])
 
 
 @triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w", "s_q"])
