@@ -60,3 +60,20 @@ def test_no_kernel_spills_registers(report):
     spills = [f"{r['dtype']} {r['kernel']} ({r['case']}): {r['stack']} bytes of stack, {r['local']} of local memory"
               for r in report["rows"] if r["local"] or r["stack"]]
     assert not spills, "kernels that spill on sm_90:\n" + "\n".join(spills)
+
+
+def test_the_tests_launches_compile_for_sm90():
+    """``benchmarks/compile_tested.py`` replays through the sm_90 compiler every launch the embedding, LayerNorm
+    and sublayer-end tests make in the interpreter: narrow rows included, where the interpreter runs a
+    ``tl.dot`` narrower than the 16 columns the compiler requires."""
+    if not _ptxas().exists():
+        pytest.skip("triton has no bundled NVIDIA ptxas here: cannot compile for sm_90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_tested.py"),
+                           "tests/test_kernels_embed.py", "tests/test_kernels_linear_norm.py",
+                           "tests/test_kernels_layer_norm.py"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    summary = [line for line in done.stdout.splitlines() if line.startswith(("triton", "FAILED", "STACK"))]
+    assert done.returncode == 0, "\n".join(summary) or done.stdout[-3000:] + done.stderr[-3000:]
+    assert " 0 failed to compile, 0 variants with a stack frame" in summary[0], "\n".join(summary)
