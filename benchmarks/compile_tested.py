@@ -59,17 +59,19 @@ def pytest_configure(config) -> None:
         return
     from triton.runtime.interpreter import InterpretedFunction
 
-    seen: dict = {}
+    seen: set = set()
     run = InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        entry = [self.fn.__module__, self.fn.__name__, [_describe(a) for a in args],
-                 {k: _describe_meta(v) for k, v in kwargs.items()}]
-        seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        entry = json.dumps([self.fn.__module__, self.fn.__name__, [_describe(a) for a in args],
+                            {k: _describe_meta(v) for k, v in kwargs.items()}], sort_keys=True)
+        if entry not in seen:  # one JSON line per distinct launch, at once: a crash loses none recorded before
+            seen.add(entry)
+            with open(out, "a") as f:
+                f.write(entry + "\n")
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
-    config.add_cleanup(lambda: Path(out).write_text(json.dumps(list(seen.values()))))
 
 
 def _rebuild(desc: dict):
@@ -111,14 +113,14 @@ def replay(launches: list) -> tuple[list, list]:
 def main() -> None:
     tests = sys.argv[1:] or DEFAULT_TESTS
     with tempfile.TemporaryDirectory() as tmp:
-        record = Path(tmp) / "launches.json"
+        record = Path(tmp) / "launches.jsonl"
         env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: str(record),
                "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "compile_tested", "-p", "no:cacheprovider",
                                *tests], cwd=HERE.parent, env=env)
         if not record.exists():
             sys.exit(f"pytest recorded no launches (rc {done.returncode})")
-        launches = json.loads(record.read_text())
+        launches = [json.loads(line) for line in record.read_text().splitlines()]
     os.environ.pop("TRITON_INTERPRET", None)  # compile_sm90 imports triton for the GPU compiler
     failures, stacks = replay(launches)
     import triton
