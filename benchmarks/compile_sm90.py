@@ -1,6 +1,6 @@
 """Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
 
-    python benchmarks/compile_sm90.py [--json FILE] [--dtypes bf16,fp32]
+    python benchmarks/compile_sm90.py [--json FILE] [--dtypes bf16,fp32] [--cases REGEX]
 
 The Triton interpreter runs the kernels' arithmetic on the CPU but not the
 GPU compiler, so a kernel can pass every CPU test and still fail to compile,
@@ -74,7 +74,7 @@ def _resources(kernel) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm,
+    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, lm_head,
                                    linear_norm, lossless, plan, rotary, sampling, slots, topk)
 
     g = torch.Generator().manual_seed(0)
@@ -108,14 +108,16 @@ def _cases(dtype: torch.dtype):
             yield f"sample V={Vs} top-k={k}", lambda a=(xs, None, u, 0.8, k): sampling.launch(*a)
             yield f"residual sample V={Vs} top-k={k}", lambda a=(xs, ps, u, 0.8, k): sampling.launch(*a)
             yield f"draft log q V={Vs} top-k={k}", lambda a=(xs, ds, 0.8, k, None, *ratio): accept.draft_logq(*a)
-        yield f"fused LM head log q V={Vs}", lambda a=(h, w[:Vs], ds, 1.0, *ratio): accept.lm_head_logq(*a)
+        yield f"fused LM head log q V={Vs}", lambda a=(h, w[:Vs], ds, 1.0, *ratio): lm_head.lm_head_logq(*a)
     yield "draft argmax (greedy acceptance)", lambda: accept.draft_logq(x, d, 0.0)
     yield "top-k threshold (chunk-max prefilter)", lambda: topk.kth_largest(x, 50)
     yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)
     yield "top-k log q from the candidates", lambda: accept.topk_logq(x, d, 0.8, 50, draft_logp=ratio[0],
                                                                       log_ratio=ratio[1])
-    yield "fused LM head log q", lambda: accept.lm_head_logq(h, w, d, 1.0, *ratio)
-    yield "fused LM head argmax", lambda: accept.lm_head_logq(h, w, d, 0.0)
+    for Cs in (C, 128, 64):  # GPT-2's width (64-column chunks), then the narrow models' (rows in registers)
+        hs, ws = h[:, :Cs].contiguous(), w[:, :Cs].contiguous()
+        yield f"fused LM head log q C={Cs}", lambda a=(hs, ws, d, 0.8, *ratio): lm_head.lm_head_logq(*a)
+        yield f"fused LM head argmax C={Cs}", lambda a=(hs, ws, d, 0.0): lm_head.lm_head_logq(*a)
     for D in (64, 128):
         yield f"commit D={D}", lambda D=D: _commit(commit_step, dtype, D, g)
     ratio, lens = torch.rand(8, 5, 256, generator=g), torch.tensor([256, 3, 0, 100, 256, 17, 1, 255])
@@ -199,9 +201,10 @@ def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None
                        torch.tensor([5, 700]), torch.zeros((), dtype=torch.bool), torch.zeros(3, dtype=torch.long))
 
 
-def compile_all(dtype_names) -> tuple[list, list]:
-    """Compile every case's kernels: (rows of per-variant resources, errors). For a process without a
-    GPU: the offline driver stays active (Triton cannot create its default driver there)."""
+def compile_all(dtype_names, pattern: str = "") -> tuple[list, list]:
+    """Compile the kernels of every case whose name matches the regular expression ``pattern``: (rows of
+    per-variant resources, errors). For a process without a GPU: the offline driver stays active (Triton
+    cannot create its default driver there)."""
     compiled = []
     launch = JITFunction.run
 
@@ -216,6 +219,8 @@ def compile_all(dtype_names) -> tuple[list, list]:
     try:
         for dname in dtype_names:
             for case, thunk in _cases(DTYPES[dname]):
+                if not re.search(pattern, case):
+                    continue
                 compiled.clear()
                 try:
                     thunk()
@@ -237,6 +242,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows and errors here")
     parser.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated: bf16, fp16, fp32")
+    parser.add_argument("--cases", default="", help="only the cases whose name matches this regular expression")
     args = parser.parse_args()
     names = [n for n in args.dtypes.split(",") if n]
     bad = [n for n in names if n not in DTYPES]
@@ -246,7 +252,7 @@ def main() -> None:
         parser.error(f"--json {args.json}: the folder {args.json.parent} does not exist")
     if not (NV_BIN / "ptxas").exists():
         sys.exit(f"triton {triton.__version__} has no bundled ptxas under {NV_BIN}: cannot compile for sm_90")
-    rows, errors = compile_all(names)
+    rows, errors = compile_all(names, args.cases)
     print(f"triton {triton.__version__}, sm_90 (code generation differs between versions: tl.histogram, for one)")
     print(f"{'dtype':5} {'kernel':24} {'regs':>4} {'local':>5} {'shared':>6} {'SASS':>5}  first case")
     for r in rows:

@@ -24,14 +24,9 @@ the row) took 133 µs: CUDA-graph timings, benchmarks/RESULTS.md.
 
 :func:`acceptance_from_hidden` takes the final hidden states and the LM-head
 weight instead: by default a cuBLAS matmul per row chunk feeding the same
-kernels (one chunk of logits at a time), or (``scoring="fused"``) the split-V
-design with the logits computed instead of read: each program of a (row
-blocks, vocabulary tiles) grid computes its logit tile with tl.dot and writes
-only the tile's max and sum of exponentials (and the draft's logit), so the
-(B·O·R, V) logits are never written; a small kernel finishes each row. Its
-tiles are fixed (``LM_HEAD_TILES``), its only constexpr choice is greedy or
-not. (Its first version looped over the vocabulary inside N / 64 programs:
-3.3 ms on the H200 at 1280 × 768 → 50257, against 0.23 ms for the matmul.)
+kernels (one chunk of logits at a time), or (``scoring="fused"``) the LM head
+and the log-sum-exp in one streaming kernel (:mod:`.lm_head`), which never
+writes the (B·O·R, V) logits.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ from .decide import decide
 from .checks import check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
 from .reference import Acceptance
 from .topk import CAP, CHUNKS_PER_K, SCAN_V, key_value, prefilter, prefilter_config, threshold
-from .utils import exp_ftz, online_lse, row_stride, rows_ready, vocab_config
+from .utils import exp_ftz, online_lse, row_stride, vocab_config
 from .vocab import (aligned_rows, chunk_stats, processed, row_masses, row_window, split_config, window_load,
                     window_masks)
 
@@ -187,14 +182,14 @@ def topk_logq(logits, drafts, temperature, top_k, block_v=None, chunk=None, cap=
     logits = aligned_rows(logits, cfg.unit)
     kth, cand, count = prefilter(logits, top_k, config, cap)
     _topk_logq_kernel[(N,)](
-        logits, drafts.contiguous(), kth, cand, count, res, *_ratio_args(draft_logp, log_ratio, res),
+        logits, drafts.contiguous(), kth, cand, count, res, *ratio_args(draft_logp, log_ratio, res),
         row_stride(logits) // cfg.unit, N, V, float(temperature),
         CAP=cap, SCAN_V=SCAN_V, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, HAS_DLP=draft_logp is not None, num_warps=4,
     )
     return res
 
 
-def _ratio_args(draft_logp, log_ratio, dummy) -> tuple:
+def ratio_args(draft_logp, log_ratio, dummy) -> tuple:
     """The kernels' DLP and RATIO pointers: the drafts' (N,) log p (contiguous) and the (N,) log-ratio output,
     or a dummy for both (HAS_DLP False: never read)."""
     if draft_logp is None:
@@ -232,7 +227,7 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None, draft_logp
     s_x = row_stride(logits) // cfg.unit
     m, s = chunk_stats(logits, kth, temperature, cfg, s_x)  # (N, NC) each
     _logq_finish_kernel[(triton.cdiv(N, FINISH_ROWS),)](
-        logits, drafts, kth if kth is not None else res, m, s, res, *_ratio_args(draft_logp, log_ratio, res), s_x, N,
+        logits, drafts, kth if kth is not None else res, m, s, res, *ratio_args(draft_logp, log_ratio, res), s_x, N,
         V, cfg.nc, float(temperature), BLOCK_N=FINISH_ROWS, NC_PAD=cfg.nc_pad, HAS_TOPK=kth is not None,
         STRIDE_UNIT=cfg.unit, HAS_DLP=draft_logp is not None, num_warps=4,
     )
@@ -284,74 +279,6 @@ def _ratio_buffers(draft_logp: torch.Tensor, temperature: float, dtype: torch.dt
         return None, None
     logp = draft_logp.reshape(-1)
     return logp, logp.new_empty(logp.shape, dtype=torch.float32)
-
-
-@triton.jit(do_not_specialize=["s_h", "s_w", "N", "V", "C", "NVT"], do_not_specialize_on_alignment=["DRAFT"])
-def _lm_head_stats_kernel(
-    HID, W, DRAFT, M, S, XD, s_h, s_w, N, V, C, NVT, temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
-    GREEDY: tl.constexpr, STRIDE_UNIT: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """One (row block, vocabulary tile) of the logits ``hidden @ weight.T``, computed by tl.dot and never stored:
-    (N, NVT) tile max M and sum of exp(x - M) S of the processed logits, and each draft's processed logit XD
-    (written by the tile that holds it); greedy: the max and the tile's first argmax (S, as int32 bits)."""
-    s_h = s_h * STRIDE_UNIT  # see utils for STRIDE_UNIT
-    s_w = s_w * STRIDE_UNIT
-    pid_v = tl.program_id(1)
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n64 = o_n.to(tl.int64)
-    o_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    m_v = o_v < V
-    o_c = tl.arange(0, BLOCK_C)
-    b_x = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        m_c = c0 + o_c < C
-        b_h = tl.load(HID + o_n64[:, None] * s_h + (c0 + o_c)[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)
-        b_wt = tl.load(W + o_v.to(tl.int64)[None, :] * s_w + (c0 + o_c)[:, None], mask=m_v[None, :] & m_c[:, None],
-                       other=0.0)
-        b_x = tl.dot(b_h, b_wt, b_x, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_V) logits
-    b_x = tl.where(m_v[None, :], b_x, float("-inf"))
-    o_p = o_n64 * NVT + pid_v
-    b_m = tl.max(b_x, 1)
-    if GREEDY:
-        b_arg = tl.min(tl.where(b_x == b_m[:, None], o_v[None, :], V), 1)  # the tile's first argmax
-        tl.store(S + o_p, b_arg.to(tl.float32, bitcast=True), mask=m_n)
-    else:
-        b_x = processed(b_x, 0.0, temperature, False)
-        b_m = tl.max(b_x, 1)
-        m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
-        tl.store(S + o_p, tl.sum(exp_ftz(b_x - m_use[:, None]), 1), mask=m_n)
-        d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
-        m_d = m_n & (d >= pid_v * BLOCK_V) & (d < pid_v * BLOCK_V + BLOCK_V)
-        tl.store(XD + o_n64, tl.max(tl.where(o_v[None, :] == d[:, None], b_x, float("-inf")), 1), mask=m_d)
-    tl.store(M + o_p, b_m, mask=m_n)
-
-
-@triton.jit(do_not_specialize=["N", "V", "NVT"], do_not_specialize_on_alignment=["DRAFT", "DLP", "RATIO"])
-def _lm_head_finish_kernel(
-    DRAFT, M, S, XD, LOGQ, ARGMAX, DLP, RATIO, N, V, NVT,
-    BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, GREEDY: tl.constexpr, HAS_DLP: tl.constexpr,
-):
-    """(N,) log q of the drafts from the (N, NVT) tile partials (and the log ratio, :func:`store_logq`), or
-    the first argmax when greedy."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n64 = o_n.to(tl.int64)
-    if GREEDY:
-        o_t = tl.arange(0, NC_PAD)[None, :]
-        m_t = m_n[:, None] & (o_t < NVT)
-        b_m = tl.load(M + o_n64[:, None] * NVT + o_t, mask=m_t, other=float("-inf"))
-        r_m = tl.max(b_m, 1)
-        first = tl.min(tl.where((b_m == r_m[:, None]) & m_t, o_t, NC_PAD), 1)  # the first tile with the max
-        arg = tl.load(S + o_n64 * NVT + first, mask=m_n & (first < NVT), other=0.0).to(tl.int32, bitcast=True)
-        tl.store(ARGMAX + o_n64, arg.to(tl.int64), mask=m_n)
-    else:
-        r_m, _, r_t = row_masses(M, S, o_n64, m_n, NVT, NC_PAD)
-        d = tl.load(DRAFT + o_n64, mask=m_n, other=-1)
-        m_d = m_n & (d >= 0) & (d < V)  # a draft outside the vocabulary has log q = -inf
-        b_xd = tl.load(XD + o_n64, mask=m_d, other=float("-inf"))
-        store_logq(LOGQ, DLP, RATIO, o_n64, m_n, b_xd - r_m - tl.log(r_t), HAS_DLP)
 
 
 def acceptance_from_hidden(
@@ -411,41 +338,3 @@ def acceptance_from_hidden(
     scores = res.view(B, O, R) if greedy else res.view(B, O, R).to(_score_dtype(hidden.dtype))
     return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule, flag,
                   log_ratio=None if ratio is None else ratio.view(B, O, R))
-
-
-LM_HEAD_TILES = (64, 128, 64)  # (BLOCK_N, BLOCK_V, BLOCK_C max): fixed, never from the row count
-
-
-def lm_head_logq(hidden, weight, drafts, temperature, draft_logp=None, log_ratio=None) -> torch.Tensor:
-    """Launch (no checks): (N, C) hidden states, (V, C) weight, (N,) drafts -> (N,) float32 log q of
-    the drafts under softmax(hidden @ weight.T / temperature), or the (N,) int64 argmax at temperature 0.
-    A (row blocks, vocabulary tiles) grid, row blocks fastest so that the programs running together share
-    a weight tile in L2, then a finishing kernel over each row's NVT tile partials. ``draft_logp`` and
-    ``log_ratio`` as in :func:`draft_logq`."""
-    N, C = hidden.shape
-    V = weight.shape[0]
-    greedy = temperature == 0
-    res = torch.empty(N, dtype=torch.int64 if greedy else torch.float32, device=hidden.device)
-    if N == 0:
-        return res
-    unit = 16 if C % 16 == 0 else 1
-    rows, w = rows_ready(hidden, unit), rows_ready(weight, unit)
-    block_n, block_v, block_c = LM_HEAD_TILES
-    nvt = triton.cdiv(V, block_v)
-    m = torch.empty(N, nvt, dtype=torch.float32, device=hidden.device)
-    s, xd = torch.empty_like(m), torch.empty(N, dtype=torch.float32, device=hidden.device)
-    drafts = drafts.contiguous()
-    _lm_head_stats_kernel[(triton.cdiv(N, block_n), nvt)](
-        rows, w, drafts, m, s, xd, row_stride(rows) // unit, row_stride(w) // unit, N, V, C, nvt,
-        1.0 if greedy else float(temperature),
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_C=min(block_c, max(16, triton.next_power_of_2(C))),
-        GREEDY=greedy, STRIDE_UNIT=unit, DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
-        num_warps=8 if hidden.dtype == torch.float32 else 4, num_stages=2,  # fp32 dots: no spills (sm_90)
-    )
-    nc_pad = max(2, triton.next_power_of_2(nvt))
-    rows_per = max(1, min(64, 8192 // nc_pad))
-    _lm_head_finish_kernel[(triton.cdiv(N, rows_per),)](
-        drafts, m, s, xd, res, res, *_ratio_args(draft_logp, log_ratio, res), N, V, nvt, BLOCK_N=rows_per,
-        NC_PAD=nc_pad, GREEDY=greedy, HAS_DLP=draft_logp is not None, num_warps=4,
-    )
-    return res

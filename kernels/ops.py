@@ -67,7 +67,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .accept import draft_logq, lm_head_logq
+from .accept import draft_logq
+from .lm_head import lm_head_logq
 from .attention import cascade_attention
 from .along import launch as gather_drafts_launch
 from .slots import launch as draft_slots_launch

@@ -140,7 +140,7 @@ def test_vocabulary_ops_over_row_counts():
                     acceptance_from_hidden(torch.randn(B, O, R, C, generator=g), weight, drafts, dl, ua, lens,
                                            temperature, top_k, scoring=scoring)
     _assert_bounded(v, ["_chunk_stats_kernel", "_residual_mass_kernel", "_sample_kernel", "_residual_kernel",
-                        "_logq_finish_kernel", "_draft_argmax_kernel", "_lm_head_stats_kernel",
+                        "_logq_finish_kernel", "_draft_argmax_kernel", "_lm_head_stream_kernel",
                         "_lm_head_finish_kernel", "_topk_logq_kernel"])
 
 

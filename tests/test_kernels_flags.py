@@ -229,7 +229,7 @@ def test_draft_flags_its_used_rows_only():
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN logits
-@pytest.mark.parametrize("scoring", ["logits", "hidden"])
+@pytest.mark.parametrize("scoring", ["logits", "hidden", "hidden-fused"])
 @pytest.mark.parametrize("where", ["used-step", "past-length", "none"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_acceptance_flags_a_non_finite_verifier_row_of_a_used_step(backend, where, scoring):
@@ -247,8 +247,10 @@ def test_acceptance_flags_a_non_finite_verifier_row_of_a_used_step(backend, wher
         hidden[1, 2, 1 if where == "used-step" else 4, 7] = float("nan")
     dev = [t.to(DEVICE) for t in (hidden, weight, drafts, draft_logp, u, lengths)]
     flag = torch.zeros((), dtype=torch.bool, device=DEVICE)
-    if scoring == "hidden":
-        call = lambda **kw: kernels.acceptance_from_hidden(*dev, 0.9, None, "paper", backend=backend, **kw)  # noqa
+    if scoring.startswith("hidden"):
+        fused = {"scoring": "fused"} if scoring == "hidden-fused" else {}
+        call = lambda **kw: kernels.acceptance_from_hidden(*dev, 0.9, None, "paper", backend=backend,  # noqa
+                                                           **fused, **kw)
     else:
         logits = dev[0] @ dev[1].T  # (B, O, R, V)
         call = lambda **kw: kernels.acceptance(logits, *dev[2:], 0.9, None, "paper", backend=backend, **kw)  # noqa

@@ -16,7 +16,7 @@ import torch
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
 from helpers import assert_log_ratio, on_triton_device, triton_device
-from sigmafast.kernels import accept, sampling
+from sigmafast.kernels import accept, lm_head, sampling
 from sigmafast.kernels import reference as ref
 
 # in the interpreter on CPU, compiled on a GPU (the tensors are built on the CPU either way)
@@ -234,20 +234,29 @@ def test_acceptance_from_hidden(temperature, top_k, rule, scoring, chunk, monkey
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0], ids=["T1", "T0.6", "greedy"])
-def test_fused_lm_head_tiles(temperature, poisoned_empty):
-    """The fused scoring's (row blocks, vocabulary tiles) grid: three row blocks (the last ragged), a ragged
-    last tile, a ragged head dim, drafts outside the vocabulary, and greedy ties across tiles (the first
-    index wins)."""
+@pytest.mark.parametrize("C", [40, 200], ids=["rows-in-registers", "C-in-chunks"])
+@pytest.mark.parametrize("splits", ["one-tile-each", "ragged", "one"])
+def test_fused_lm_head_tiles(temperature, C, splits, poisoned_empty, monkeypatch):
+    """The fused scoring's (row blocks, vocabulary splits) grid: three row blocks (the last ragged), five weight
+    tiles (the last ragged) streamed one per split, 3 + 2 per split, or all by one split; a ragged head dim
+    (a model at most ONE_C_MAX wide keeps its rows in registers, a wider one loops over 64-column chunks, the
+    last ragged); drafts outside the vocabulary, and greedy ties across tiles and splits (the first index
+    wins)."""
+    if splits == "ragged":  # a wave of 4 programs over 3 row blocks: 2 splits of 3 tiles, the last of 2
+        monkeypatch.setattr(lm_head, "num_sms", lambda device: 1)
+    elif splits == "one":
+        monkeypatch.setattr(lm_head, "MAX_SPLITS", 1)
     g = torch.Generator().manual_seed(12)
-    N, C, V = 150, 40, 300
+    N, V = 150, 300
+    assert lm_head.lm_head_tiles(C, torch.float32)["BLOCK_V"] == 64  # tiles 0, 4 hold columns 5, 290
     hidden = (torch.randn(N, C, generator=g) * 4).round() / 4  # quarters: exact products with integer weights
     weight = torch.randn(V, C, generator=g) * 0.3
-    weight[5] = weight[290] = torch.randint(-1, 2, (C,), generator=g).float()  # tiles 0 and 2: exact ties
+    weight[5] = weight[290] = torch.randint(-1, 2, (C,), generator=g).float()  # tiles 0 and 4: exact ties
     hidden[3] = weight[5] * 10  # ... that are row 3's maximum
     drafts = torch.randint(0, V, (N,), generator=g)
     drafts[:2] = torch.tensor([-1, V])
     drafts[2] = 290
-    got = on_triton_device(accept.lm_head_logq)(hidden, weight, drafts, temperature)
+    got = on_triton_device(lm_head.lm_head_logq)(hidden, weight, drafts, temperature)
     logits = hidden @ weight.T
     if temperature == 0:
         assert torch.equal(got, logits.argmax(-1)) and got[3] == 5
@@ -255,7 +264,7 @@ def test_fused_lm_head_tiles(temperature, poisoned_empty):
     want = ref.log_probs(logits, temperature, None).gather(-1, drafts.clamp(0, V - 1)[:, None]).squeeze(-1)
     assert torch.all(got[:2] == float("-inf"))
     torch.testing.assert_close(got[2:], want[2:], rtol=0, atol=1e-5)
-    assert_log_ratio(lambda logp, ratio: on_triton_device(accept.lm_head_logq)(hidden, weight, drafts, temperature,
+    assert_log_ratio(lambda logp, ratio: on_triton_device(lm_head.lm_head_logq)(hidden, weight, drafts, temperature,
                                                                                logp, ratio), got, 3)
 
 
