@@ -32,7 +32,9 @@ CUDA and float32 on CPU:
   ``burst-inductor``: through ``Engine(compile_steps="inductor")`` (CUDA only);
   ``ar-fused`` and ``burst-fused``: through ``Engine(fused_ends=True)``, the
   narrow models' one-kernel sublayer ends in place of cuBLAS's matmuls (CUDA,
-  ``tiny`` and ``small`` only).
+  ``tiny`` and ``small`` only); ``burst-fused-scoring``: through
+  ``Engine(scoring="fused")``, the drafts scored by the LM-head stream kernel
+  (``kernels/lm_head.py``) in place of the matmul and log q kernel (CUDA only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
 * ``anchor-{eager,compiled}-<shape>-B<b>``: the static-KV-cache decoder of
@@ -89,12 +91,13 @@ STRATEGIES = {
     "burst-lossless": dict(strategy="burst", num_orders=1, acceptance="lossless"),  # generate's default rule
     "ar-fused": dict(strategy="autoregressive", order="left-to-right"),  # Engine(fused_ends=True)
     "burst-fused": dict(strategy="burst", num_orders=5, acceptance="paper"),
+    "burst-fused-scoring": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(scoring="fused")
 }
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
 COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
 FUSED = ("ar-fused", "burst-fused")  # CUDA only (the Triton path), narrow shapes only (GPT-2 is never fused)
 ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-lookahead": dict(lookahead=True),
-                  **{s: dict(fused_ends=True) for s in FUSED}}
+                  **{s: dict(fused_ends=True) for s in FUSED}, "burst-fused-scoring": dict(scoring="fused")}
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -308,6 +311,8 @@ def test_engine(benchmark, strategy, shape, batch):
         pytest.skip("compiled steps: small and gpt2 shapes only, bursts at B = 1 only (compile time)")
     if strategy in FUSED and (not CUDA or shape.startswith("gpt2")):
         pytest.skip("the fused sublayer ends run on CUDA's Triton path, in models at most 256 wide")
+    if strategy == "burst-fused-scoring" and not CUDA:
+        pytest.skip("the fused scoring runs on CUDA's Triton path (the CPU engine scores with the reference)")
     model = _model("sigma", shape)
     prompt = _prompt(batch, PROMPT)
     kwargs = {**STRATEGIES[strategy], **SAMPLING}

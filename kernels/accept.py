@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .decide import decide
-from .checks import check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
+from .checks import SCORINGS, check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
 from .reference import Acceptance
 from .topk import CAP, CHUNKS_PER_K, SCAN_V, key_value, prefilter, prefilter_config, threshold
 from .utils import exp_ftz, online_lse, row_stride, vocab_config
@@ -46,7 +46,6 @@ from .vocab import (aligned_rows, chunk_stats, processed, row_masses, row_window
                     window_masks)
 
 
-SCORINGS = ("matmul", "fused")
 SCORING = "matmul"  # H200, 1280 x 768 -> 50257 bf16, graphed: fused 0.89 ms, padded head + log q kernel 0.25 ms
 CHUNK_ELEMENTS = 1 << 25  # logits per matmul chunk (64 MiB in bf16)
 FINISH_ROWS = 64  # rows per program of _logq_finish_kernel

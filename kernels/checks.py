@@ -21,6 +21,7 @@ from .reference import RULES
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float64,)
 FUSED_END_WIDTH = 256  # the widest model whose sublayer ends linear_norm fuses (whole rows per program)
+SCORINGS = ("matmul", "fused")  # how acceptance_from_hidden scores the drafts (accept.acceptance_from_hidden)
 MIN_TEMPERATURE = 1e-6  # below it, logits / T can overflow float32 to inf and the softmax to NaN
 
 

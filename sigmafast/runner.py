@@ -154,7 +154,9 @@ class Engine(EagerRunner):
     kernel compute the first block's QKV projection; the default keeps those
     matmuls cuBLAS's, which an H200 ran faster (``small``: 0.13 against 0.20 ms
     per autoregressive token, 0.55 against 0.70 ms per burst iteration;
-    ``benchmarks/RESULTS.md``). Pass the engine to
+    ``benchmarks/RESULTS.md``). ``scoring`` ("matmul" or "fused"; None: the
+    default of ``kernels.acceptance_from_hidden``) chooses how a burst scores
+    its drafts from the verifier's hidden states on the Triton path. Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
@@ -163,7 +165,7 @@ class Engine(EagerRunner):
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
                  compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = False,
-                 fused_ends: bool = False) -> None:
+                 fused_ends: bool = False, scoring: Optional[str] = None) -> None:
         _check_model(model)
         for name, flag in (("buckets", buckets), ("cuda_graphs", cuda_graphs)):
             if flag is not None and not isinstance(flag, bool):
@@ -186,6 +188,9 @@ class Engine(EagerRunner):
         if not isinstance(fused_ends, bool):
             raise TypeError(f"fused_ends must be a bool, got {type(fused_ends).__name__}")
         self.fused_ends = fused_ends
+        if scoring is not None and scoring not in kernels.checks.SCORINGS:
+            raise ValueError(f"scoring must be None or one of {kernels.checks.SCORINGS}, got {scoring!r}")
+        self.scoring = scoring
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.max_sessions = max_sessions
@@ -226,14 +231,16 @@ class Engine(EagerRunner):
         if self.cuda_graphs:
             session = self._sessions.pop((backend, size, T), None)
             if session is None:
-                session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends)
+                session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
+                                        scoring=self.scoring)
             self._sessions[(backend, size, T)] = session  # most recently used last
             if len(self._sessions) > self.max_sessions:  # bounded memory: caches, buffers and graphs
                 oldest = self._sessions.pop(next(iter(self._sessions)))
                 self._graphs.drop(id(oldest))
                 self._static = {k: v for k, v in self._static.items() if k[0] != id(oldest)}
         else:
-            session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends)
+            session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
+                                        scoring=self.scoring)
         m = session.load(canvas, known)
         if m > 0:  # the prompt's prefill: a static-shape step over the bucket of the largest known count
             M = self.r_bucket(m, T)

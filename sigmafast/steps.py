@@ -142,7 +142,8 @@ def accept(session, verified: Verified, along: Along, remaining: torch.Tensor, t
     args = (along.tokens, along.logp, along.u_accept, remaining, temperature, top_k, rule)
     if verified.hidden is not None:
         return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, flag=flag,
-                                              backend=_backend(session), vocab_size=session.vocab_size)
+                                              backend=_backend(session), vocab_size=session.vocab_size,
+                                              scoring=session.scoring)
     return kernels.acceptance(verified.logits, *args, flag=flag, backend=_backend(session))
 
 

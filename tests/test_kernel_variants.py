@@ -152,15 +152,18 @@ def _infill(B, T, n_known, seed):
     return torch.randint(0, 7, (B, T), generator=g), known
 
 
-@pytest.mark.parametrize("fused_ends", [False, True], ids=["cublas-ends", "fused-ends"])
+@pytest.mark.parametrize("options", [{}, {"fused_ends": True}, {"scoring": "fused"}],
+                         ids=["defaults", "fused-ends", "fused-scoring"])
 @pytest.mark.parametrize("pos_encoding", ["sinusoidal", "rope-v"])
-def test_generate_compiles_each_kernel_at_most_twice(pos_encoding, fused_ends):
+def test_generate_compiles_each_kernel_at_most_twice(pos_encoding, options):
     """Many ``generate`` calls on one fp32 model: batch sizes 1-3, prompt lengths, ragged infilling,
     paper (1 and 3 orders) and lossless rules, top-k, greedy, autoregressive; R takes many values,
     and caches over 32 keys split the KV. With rope-v the layers' rotations are kernels too; with
-    ``fused_ends`` the sublayer ends are one kernel each."""
+    ``fused_ends`` the sublayer ends are one kernel each; with the fused scoring the LM head's log q
+    (greedy and not) is the stream kernel's."""
     model = tiny_model(vocab_size=7, block_size=40, dtype=torch.float32, pos_encoding=pos_encoding).to(DEVICE)
-    engine = sigmafast.Engine(model, fused_ends=fused_ends)
+    engine = sigmafast.Engine(model, **options)
+    fused_ends = options.get("fused_ends", False)
     calls = [
         (torch.randint(0, 7, (1, 2)), None, 10, dict(acceptance="paper", num_orders=3)),
         (torch.randint(0, 7, (2, 30)), None, 10, dict(acceptance="paper", num_orders=1)),
@@ -181,5 +184,7 @@ def test_generate_compiles_each_kernel_at_most_twice(pos_encoding, fused_ends):
                         "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel", "_gather_drafts_kernel",
                         "_draft_slots_kernel", "_residual_pick_kernel"]
                     + (["_rotary_kernel"] if pos_encoding == "rope-v" else [])
-                    + (["_linear_add_norm_kernel", "_mlp_add_norm_kernel"] if fused_ends else ["_add_layer_norm_kernel"]))
+                    + (["_lm_head_stream_kernel", "_lm_head_finish_kernel"] if "scoring" in options else [])
+                    + (["_linear_add_norm_kernel", "_mlp_add_norm_kernel"] if fused_ends
+                       else ["_add_layer_norm_kernel"]))
     assert {"_lm_head_finish_kernel", "_logq_finish_kernel"} & set(v.counts()), "no draft was scored"

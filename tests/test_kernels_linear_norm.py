@@ -247,6 +247,25 @@ def test_fused_ends_take_the_later_blocks_matmuls(mlp_ratio):
     assert ran == ["h.0.attn.c_attn"]
 
 
+def test_engine_fused_scoring_launches_the_lm_head_kernel_and_keeps_the_tokens():
+    """``Engine(scoring="fused")`` scores a burst's drafts with the LM-head stream kernel (the default engine
+    with a matmul and the log q kernel), and samples the same tokens; a bad ``scoring`` is refused."""
+    model = tiny_model(vocab_size=7, block_size=12, seed=1, std=0.5, dtype=torch.float32).to(DEVICE)
+    idx = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out, launched = {}, {}
+    for scoring in ("fused", None):
+        with count_variants() as v, kernels.use_backend("triton"):
+            engine = sigmafast.Engine(model, scoring=scoring)
+            out[scoring] = sigmafast.generate(engine, idx, 8, num_orders=3, acceptance="paper",
+                                              generator=torch.Generator(DEVICE).manual_seed(5))
+        launched[scoring] = set(v.counts())
+    assert "_lm_head_stream_kernel" in launched["fused"] and "_logq_finish_kernel" not in launched["fused"]
+    assert "_lm_head_stream_kernel" not in launched[None] and "_logq_finish_kernel" in launched[None]
+    assert torch.equal(out["fused"], out[None])
+    with pytest.raises(ValueError, match="scoring must be None or one of"):
+        sigmafast.Engine(model, scoring="cublas")
+
+
 def test_engine_without_fused_ends_keeps_the_matmuls_and_the_tokens():
     """The default engine (``fused_ends=False``) launches no sublayer-end kernel and samples the same tokens
     as ``Engine(fused_ends=True)``, which launches both."""
