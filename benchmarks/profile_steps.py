@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--by-line", action="store_true", help="--count-ops: group the ops by source line")
     parser.add_argument("--fused-ends", action="store_true",
                         help="Engine(fused_ends=True): one-kernel sublayer ends in models at most 256 wide")
+    parser.add_argument("--scoring", choices=["matmul", "fused"],
+                        help="Engine(scoring=...): how a burst scores its drafts (default: the engine's)")
     args = parser.parse_args()
     for name, low in (("batch", 1), ("remaining", 1), ("orders", 1), ("vocab", 2), ("block_size", 1), ("top_k", 1)):
         value = getattr(args, name)
@@ -195,7 +197,8 @@ def main() -> None:
     torch.manual_seed(0)
     config = sigmafast.SigmaGPTConfig.from_preset(args.shape, vocab_size=vocab, **overrides)
     model = sigmafast.SigmaGPT(config).to(device=device, dtype=dtype).eval()
-    engine = sigmafast.Engine(model, buckets=True, cuda_graphs=False, fused_ends=args.fused_ends)
+    engine = sigmafast.Engine(model, buckets=True, cuda_graphs=False, fused_ends=args.fused_ends,
+                              scoring=args.scoring)
     B, T = args.batch, config.block_size
     left = min(args.remaining or (40 if small else 256), T)
     R = steps.bucket(left, T)
