@@ -10,6 +10,8 @@ copy bandwidth, with NVML readings. Inputs are bf16, GPT-2 small heads (H=12, D=
   cache and the R own keys concatenated with a mask (a copy per call).
 * verify: O=5 orders of R=64 tokens over a shared L=4096 prefix; SDPA gets the
   prefix repeated per order (the traffic the Triton kernel avoids).
+* small-model attention: one layer of a ``small`` burst iteration (H=4, D=32, R=256, 136 cached keys),
+  burst and verify, with 1, 2 or 4 KV splits forced beside the automatic choice.
 * top-k threshold: the k-th largest of 8 or 1280 rows (radix select against ``torch.topk``).
 * sublayer end: a narrow model's (C = 128) MLP or projection end with the next QKV projection, the one
   ``kernels/linear_norm.py`` kernel against cuBLAS matmuls and the add + LayerNorm kernel, 64 to 10240 rows.
@@ -133,6 +135,32 @@ def test_burst_attention_splits(benchmark, splits, copy_gbps):
     nbytes = (2 * B * H * L * D + 4 * B * H * R * D) * q.element_size()
     _run(benchmark, lambda: cascade_attention(*args, num_splits=splits), nbytes, copy_gbps, impl="triton",
          op="burst_attention_splits", B=B, H=H, R=R, L=L, D=D, splits=splits, rel_err=err)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 2, 4], ids=lambda s: f"splits{s or '-auto'}")
+@pytest.mark.parametrize("kind", ["burst", "verify"])
+def test_small_model_attention(benchmark, kind, splits, copy_gbps):
+    """One layer's attention in a ``small`` burst iteration (B = 1, H = 4, D = 32, R = 256 remaining of a
+    272-token canvas, half of it cached; 5 orders to verify): a few dozen programs with a handful of key tiles
+    each, bound by latency rather than bandwidth (the H200 profile put 8 such calls at 89.5 us per
+    iteration). Which KV split count the card prefers there; the automatic choice never splits a cache
+    under 2 x ``utils.min_split_keys`` keys."""
+    from sigmafast.kernels.attention import cascade_attention
+
+    B, Hs, Ds, R, L, O = 1, 4, 32, 256, 272, 5
+    g = torch.Generator(device="cuda").manual_seed(2)
+    shape = (B, Hs, R, Ds) if kind == "burst" else (B, O, Hs, R, Ds)
+    q, k, v = (torch.randn(shape, device="cuda", generator=g, dtype=DTYPE) for _ in range(3))
+    kc, vc = (torch.randn(B, Hs, L, Ds, device="cuda", generator=g, dtype=DTYPE) for _ in range(2))
+    lens = torch.full((B,), L // 2, device="cuda")
+    args = (q, k, v, kc, vc, lens)
+    want = (ref.burst_attention if kind == "burst" else ref.verify_attention)(*(t.float() for t in args[:5]), lens)
+    err = _rel_err(cascade_attention(*args, num_splits=splits), want)
+    assert err < 3e-2, f"{kind} attention with {splits} splits is wrong before timing: rel. error {err:.2e}"
+    nbytes = (2 * B * Hs * (L // 2) * Ds + 4 * q.numel()) * q.element_size()
+    _run(benchmark, lambda: cascade_attention(*args, num_splits=splits), nbytes, copy_gbps, impl="triton",
+         op=f"small_{kind}_attention", B=B, H=Hs, R=R, L=L // 2, D=Ds, O=O if kind == "verify" else 1,
+         splits=splits, rel_err=err)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference", "sdpa"])

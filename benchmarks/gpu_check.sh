@@ -11,7 +11,8 @@
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
 # parts for a second call; engine-ar and engine-burst split the engine part in two, each with its own JSON;
 # "topk" runs the top-k tests compiled (also in "fused"), "sweep" times the vocabulary kernels' tilings,
-# "scoring" times both scorings from hidden states (kernels, then burst small and gpt2, then a small profile).
+# "small" times the levers of the small burst target: both scorings from hidden states and the small model's
+# attention at forced KV splits (kernels), burst small and gpt2 with both scorings, a small profile.
 # pytest-benchmark writes its JSON only when a session ends, but cases.jsonl (SIGMAFAST_BENCH_LOG) gets
 # each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
 # module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
@@ -56,11 +57,11 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
     vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \
         tests/test_kernels_sampling.py -q -p no:cacheprovider -rs ;;
     topk) run topk "${GPU_TOPK_LIMIT:-60}" python -m pytest tests/test_kernels_topk.py -q -p no:cacheprovider -rs ;;
-    scoring) run scoring "${GPU_SCORING_LIMIT:-150}" bash -c "python -m pytest benchmarks/bench_kernels.py \
-        ${BENCH[*]} --benchmark-json=$LOGS/scoring.json -k test_acceptance_from_hidden \
-        && python -m pytest benchmarks/bench_engine.py ${BENCH[*]} --benchmark-json=$LOGS/scoring_engine.json \
+    small) run small "${GPU_SMALL_LIMIT:-180}" bash -c "python -m pytest benchmarks/bench_kernels.py \
+        ${BENCH[*]} --benchmark-json=$LOGS/small.json -k 'test_acceptance_from_hidden or test_small_model_attention' \
+        ; python -m pytest benchmarks/bench_engine.py ${BENCH[*]} --benchmark-json=$LOGS/small_engine.json \
             -k 'test_engine and B1 and not rope and (burst-small or burst-gpt2 or burst-fused-scoring-)' \
-        && python benchmarks/profile_steps.py --shape small --batch 1 --scoring fused" ;;
+        ; python benchmarks/profile_steps.py --shape small --batch 1 --scoring fused" ;;
     sweep) run sweep "${GPU_SWEEP_LIMIT:-100}" python benchmarks/sweep_vocab.py --json "$LOGS/sweep.json" ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$LOGS/engine.json" -k "${GPU_ENGINE_K:-test_first_call or (test_engine and not inductor)}" ;;
