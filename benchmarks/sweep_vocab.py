@@ -1,6 +1,7 @@
 """Sweep the split-V streaming tiles of the vocabulary kernels on a GPU.
 
-    python benchmarks/sweep_vocab.py [--rows 1280] [--layouts] [--json FILE]
+    python benchmarks/sweep_vocab.py [--rows 1280] [--layouts] [--chunks 2048,4096] [--tiles 4096,8192]
+        [--warps 2,4] [--json FILE]
 
 ``kernels/vocab.py`` fixes the tiling of the streaming kernels (chunk statistics, residual masses) with
 module constants: ``CHUNK`` (columns per tile), ``TILE`` (elements per tile), ``STREAM_WARPS`` and
@@ -45,12 +46,30 @@ def _ops(rows: int, dtype: torch.dtype):
     ]
 
 
+def _ints(parser: argparse.ArgumentParser, flag: str, text: str) -> list:
+    """Comma-separated powers of two, or a parser error naming ``flag``."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 or v & (v - 1) for v in values):
+        parser.error(f"{flag} takes comma-separated powers of two, got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1280, help="logit rows (1280: B=4, 5 orders, R=64)")
     parser.add_argument("--layouts", action="store_true", help="also one program per tile (PERSISTENT False)")
+    parser.add_argument("--chunks", default="2048,4096", help="CHUNK values, comma-separated")
+    parser.add_argument("--tiles", default="4096,8192", help="TILE values, comma-separated")
+    parser.add_argument("--warps", default="2,4", help="STREAM_WARPS values, comma-separated (the fifth lend "
+                        "swept CHUNK 1024-4096, TILE 8192-16384 and 4 or 8 warps: 4 won, 8 lost everywhere; fewer "
+                        "warps share a tile's row reductions among fewer warps; 1 warp takes 255 registers on sm_90)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
+    chunks, tiles, warps = (_ints(parser, f, t) for f, t in (("--chunks", args.chunks), ("--tiles", args.tiles),
+                                                              ("--warps", args.warps)))
     if not torch.cuda.is_available():
         raise SystemExit("sweep_vocab.py needs a CUDA device")
     from sigmafast.kernels import vocab
@@ -58,7 +77,7 @@ def main() -> None:
     default = dict(CHUNK=vocab.CHUNK, TILE=vocab.TILE, STREAM_WARPS=vocab.STREAM_WARPS, PERSISTENT=vocab.PERSISTENT)
     copy_gbps = copy_bandwidth_gbps()
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s; defaults {default}", flush=True)
-    grid = dict(CHUNK=[1024, 2048, 4096], TILE=[8192, 16384], STREAM_WARPS=[4, 8],
+    grid = dict(CHUNK=chunks, TILE=tiles, STREAM_WARPS=warps,
                 PERSISTENT=[True, False] if args.layouts else [default["PERSISTENT"]])
     ops = _ops(args.rows, torch.bfloat16)
     rows = []
