@@ -37,6 +37,7 @@ from .vocab import row_masses
 ONE_C_MAX = 128  # widest model whose hidden rows a program keeps in registers (one tl.dot per weight tile)
 MAX_SPLITS = 256  # vocabulary splits per row at most: the finish kernel's partials per row
 NUM_STAGES = 3  # weight tiles in flight per program (16-bit: 3 x 32 KB of shared memory at C = 128)
+FINISH_C = 32  # columns per step of the finish kernel's draft dot products (64: a stack frame under Triton 3.6)
 
 
 def lm_head_tiles(C: int, dtype: torch.dtype) -> dict:
@@ -206,7 +207,7 @@ def lm_head_logq(hidden, weight, drafts, temperature, draft_logp=None, log_ratio
     rows_per = max(1, min(64, 8192 // nc_pad))
     _lm_head_finish_kernel[(triton.cdiv(N, rows_per),)](
         rows, w, drafts, m, s, res, res, *ratio_args(draft_logp, log_ratio, res), *args, ns, t, BLOCK_N=rows_per,
-        BLOCK_C=min(64, meta["BLOCK_C"]), NC_PAD=nc_pad, GREEDY=greedy, HAS_DLP=draft_logp is not None,
+        BLOCK_C=min(FINISH_C, meta["BLOCK_C"]), NC_PAD=nc_pad, GREEDY=greedy, HAS_DLP=draft_logp is not None,
         STRIDE_UNIT=unit, num_warps=4,
     )
     return res
