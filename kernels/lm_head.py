@@ -45,9 +45,8 @@ def lm_head_tiles(C: int, dtype: torch.dtype) -> dict:
     else (never on the row count), so one model compiles one variant per rule (greedy or not)."""
     one_c = C <= ONE_C_MAX
     block_c = max(16, triton.next_power_of_2(C)) if one_c else 64
-    if dtype == torch.float32:  # fp32 dots: half the tile, no spills (sm_90)
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_C=block_c, ONE_C=one_c, EVEN_C=C % block_c == 0, num_warps=8,
-                    num_stages=2)
+    if dtype == torch.float32:  # IEEE fp32 dots: smaller tiles, the rows reloaded (in registers they spill, sm_90)
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_C=32, ONE_C=False, EVEN_C=C % 32 == 0, num_warps=8, num_stages=2)
     return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_C=block_c, ONE_C=one_c, EVEN_C=C % block_c == 0, num_warps=4,
                 num_stages=NUM_STAGES)
 
@@ -170,9 +169,10 @@ def _lm_head_finish_kernel(
 
 
 def split_count(n_row_blocks: int, nvt: int, programs: int) -> tuple[int, int]:
-    """(splits, tiles per split) for ``nvt`` weight tiles, so that n_row_blocks x splits is about ``programs``
-    (one wave) and no split is empty: every split holds tiles_per_split tiles, the last one at least one."""
-    want = max(1, min(nvt, MAX_SPLITS, -(-programs // n_row_blocks)))
+    """(splits, tiles per split) for ``nvt`` weight tiles, so that n_row_blocks x splits fills at most
+    ``programs`` (one wave: a few programs past it would take a whole second wave's time) and no split is
+    empty: every split holds tiles_per_split tiles, the last one at least one."""
+    want = max(1, min(nvt, MAX_SPLITS, programs // n_row_blocks))
     tps = -(-nvt // want)
     return -(-nvt // tps), tps
 
@@ -209,29 +209,5 @@ def lm_head_logq(hidden, weight, drafts, temperature, draft_logp=None, log_ratio
         rows, w, drafts, m, s, res, res, *ratio_args(draft_logp, log_ratio, res), *args, ns, t, BLOCK_N=rows_per,
         BLOCK_C=min(FINISH_C, meta["BLOCK_C"]), NC_PAD=nc_pad, GREEDY=greedy, HAS_DLP=draft_logp is not None,
         STRIDE_UNIT=unit, num_warps=4,
-    )
-    return res
-    unit = 16 if C % 16 == 0 else 1
-    rows, w = rows_ready(hidden, unit), rows_ready(weight, unit)
-    meta = dict(lm_head_tiles(C, hidden.dtype), GREEDY=greedy, STRIDE_UNIT=unit,
-                DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32")
-    nvt = triton.cdiv(V, meta["BLOCK_V"])
-    n_rb = triton.cdiv(N, meta["BLOCK_N"])
-    drafts = drafts.contiguous()
-    xd = torch.empty(N, dtype=torch.float32, device=hidden.device)
-    probe = (rows, w, drafts, xd, xd, xd, 0, 0, 0, 0, 0, 1, 1, 1, 1.0)  # the variant only: sizes are not specialised
-    wave = resident_programs(_lm_head_stream_kernel, probe, meta, hidden.device) * num_sms(hidden.device)
-    ns, tps = split_count(n_rb, nvt, wave)
-    m = torch.empty(N, ns, dtype=torch.float32, device=hidden.device)
-    s = torch.empty_like(m)
-    _lm_head_stream_kernel[(n_rb, ns)](
-        rows, w, drafts, m, s, xd, row_stride(rows) // unit, row_stride(w) // unit, N, V, C, nvt, tps, ns,
-        1.0 if greedy else float(temperature), **meta,
-    )
-    nc_pad = max(2, triton.next_power_of_2(min(nvt, MAX_SPLITS, wave)))  # per model and device, not per call
-    rows_per = max(1, min(64, 8192 // nc_pad))
-    _lm_head_finish_kernel[(triton.cdiv(N, rows_per),)](
-        drafts, m, s, xd, res, res, *ratio_args(draft_logp, log_ratio, res), N, V, ns, BLOCK_N=rows_per,
-        NC_PAD=nc_pad, GREEDY=greedy, HAS_DLP=draft_logp is not None, num_warps=4,
     )
     return res

@@ -234,21 +234,26 @@ def test_acceptance_from_hidden(temperature, top_k, rule, scoring, chunk, monkey
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0], ids=["T1", "T0.6", "greedy"])
-@pytest.mark.parametrize("C", [40, 200], ids=["rows-in-registers", "C-in-chunks"])
+@pytest.mark.parametrize("C, one_c", [(40, True), (64, True), (200, False), (128, False)],
+                         ids=["rows-in-registers-ragged", "rows-in-registers", "C-in-chunks-ragged", "C-in-chunks"])
 @pytest.mark.parametrize("splits", ["one-tile-each", "ragged", "one"])
-def test_fused_lm_head_tiles(temperature, C, splits, poisoned_empty, monkeypatch):
-    """The fused scoring's (row blocks, vocabulary splits) grid: three row blocks (the last ragged), five weight
-    tiles (the last ragged) streamed one per split, 3 + 2 per split, or all by one split; a ragged head dim
-    (a model at most ONE_C_MAX wide keeps its rows in registers, a wider one loops over 64-column chunks, the
-    last ragged); drafts outside the vocabulary, and greedy ties across tiles and splits (the first index
-    wins)."""
-    if splits == "ragged":  # a wave of 4 programs over 3 row blocks: 2 splits of 3 tiles, the last of 2
-        monkeypatch.setattr(lm_head, "num_sms", lambda device: 1)
+def test_fused_lm_head_tiles(temperature, C, one_c, splits, poisoned_empty, monkeypatch):
+    """The fused scoring's (row blocks, vocabulary splits) grid: three row blocks (the last ragged), five
+    64-row weight tiles (the last ragged) streamed one per split, 3 + 2 per split, or all by one split; the
+    hidden rows kept in registers (one tl.dot per tile, as 16-bit models at most 128 wide) or loaded in
+    64-column chunks (as wider ones and float32), each with and without a ragged last chunk; drafts outside
+    the vocabulary, and greedy ties across tiles and splits (the first index wins)."""
+    monkeypatch.setattr(lm_head, "lm_head_tiles", lambda C, dtype: dict(
+        BLOCK_N=64, BLOCK_V=64, BLOCK_C=64, ONE_C=one_c, EVEN_C=C % 64 == 0, num_warps=4, num_stages=2))
+    monkeypatch.setattr(lm_head, "resident_programs", lambda *args: 4)  # the interpreter's, on a GPU too
+    if splits == "ragged":  # a wave of 8 programs over 3 row blocks: 2 splits of 3 tiles, the last of 2
+        monkeypatch.setattr(lm_head, "num_sms", lambda device: 2)
     elif splits == "one":
         monkeypatch.setattr(lm_head, "MAX_SPLITS", 1)
+    chosen, split_count = [], lm_head.split_count
+    monkeypatch.setattr(lm_head, "split_count", lambda *args: chosen.append(split_count(*args)) or chosen[-1])
     g = torch.Generator().manual_seed(12)
     N, V = 150, 300
-    assert lm_head.lm_head_tiles(C, torch.float32)["BLOCK_V"] == 64  # tiles 0, 4 hold columns 5, 290
     hidden = (torch.randn(N, C, generator=g) * 4).round() / 4  # quarters: exact products with integer weights
     weight = torch.randn(V, C, generator=g) * 0.3
     weight[5] = weight[290] = torch.randint(-1, 2, (C,), generator=g).float()  # tiles 0 and 4: exact ties
@@ -257,6 +262,7 @@ def test_fused_lm_head_tiles(temperature, C, splits, poisoned_empty, monkeypatch
     drafts[:2] = torch.tensor([-1, V])
     drafts[2] = 290
     got = on_triton_device(lm_head.lm_head_logq)(hidden, weight, drafts, temperature)
+    assert chosen == [{"one-tile-each": (5, 1), "ragged": (2, 3), "one": (1, 5)}[splits]]  # (splits, tiles each)
     logits = hidden @ weight.T
     if temperature == 0:
         assert torch.equal(got, logits.argmax(-1)) and got[3] == 5
