@@ -117,7 +117,7 @@ def main() -> None:
         env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: str(record),
                "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "compile_tested", "-p", "no:cacheprovider",
-                               *tests], cwd=HERE.parent, env=env)
+                               "-p", "no:xdist", *tests], cwd=HERE.parent, env=env)  # one process: one record
         if not record.exists():
             sys.exit(f"pytest recorded no launches (rc {done.returncode})")
         launches = [json.loads(line) for line in record.read_text().splitlines()]

@@ -31,7 +31,7 @@ bundle() {
     return 0
 }
 [ -e sigmafast/kernels ] || ln -s ../kernels sigmafast/kernels  # the installed package maps it there
-export PYTHONPATH=$PWD TRITON_INTERPRET=0
+export PYTHONPATH=$PWD TRITON_INTERPRET=0 PYTEST_ADDOPTS="-p no:xdist"  # one process on the one GPU
 export TRITON_CACHE_DIR=$(mktemp -d) SIGMAFAST_CACHE=$(mktemp -d) SIGMAFAST_BENCH_LOG=$LOGS/cases.jsonl
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,power.draw --format=csv | tee "$LOGS/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOGS/gpu.txt"

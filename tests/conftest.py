@@ -7,7 +7,9 @@ of the session stays the PyTorch reference; kernel tests call the Triton ops
 directly or inside ``sigmafast.kernels.use_backend("triton")``.
 
 The tests use tiny tensors, for which PyTorch's intra-op thread pool costs more
-than it saves on a small shared CPU, so the session runs single-threaded.
+than it saves on a small shared CPU, so the session runs single-threaded, and
+the suite runs in one process per core instead (pytest-xdist, in the ``test``
+extra) unless the command line says otherwise (``-n 0``: one process).
 """
 
 import os
@@ -24,6 +26,16 @@ torch.set_num_threads(1)
 from helpers import SHAKESPEARE, TIKTOKEN_CACHE, load_prepare_script, small_cfg  # noqa: E402  (after TRITON_INTERPRET)
 from sigmafast.data import gpt2_encoding  # noqa: E402
 from sigmafast.train import train  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``-n auto`` when pytest-xdist is installed and the command line chose no ``-n`` (nor ``--pdb``): this
+    hook runs before xdist's own, which turns it into one worker per core. Never inside a worker, nor in a
+    pytest that a test starts (it inherits ``PYTEST_XDIST_WORKER``)."""
+    if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None
+            and not os.environ.get("PYTEST_XDIST_WORKER") and not config.getoption("usepdb", False)):
+        config.option.numprocesses = "auto"
 
 
 @pytest.fixture(scope="module")
