@@ -41,7 +41,7 @@ from .decide import decide
 from .checks import SCORINGS, check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
 from .reference import Acceptance
 from .topk import CAP, CHUNKS_PER_K, SCAN_V, key_value, prefilter, prefilter_config, threshold
-from .utils import exp_ftz, online_lse, row_stride, vocab_config
+from .utils import LOG2E, exp_ftz, online_lse, row_stride, vocab_config
 from .vocab import (aligned_rows, chunk_stats, processed, row_masses, row_window, split_config, window_load,
                     window_masks)
 
@@ -148,8 +148,8 @@ def _topk_logq_kernel(
         for start in range(0, V + ALIGN - 1, SCAN_V):
             o_b = start + tl.arange(0, SCAN_V)[None, :]
             _, m_w, m_v = window_masks(o_b, shift, end, m_n, V)
-            b_m, b_s = online_lse(b_m, b_s, window_load(X + o_base[:, None], o_b, m_w, m_v, kth[:, None], temperature,
-                                                        True))
+            b_x = window_load(X + o_base[:, None], o_b, m_w, m_v, kth[:, None], temperature, True)
+            b_m, b_s = online_lse(b_m, b_s, b_x, LOG2E)
     else:
         o_s = tl.arange(0, CAP)[None, :]
         m_s = o_s < count[:, None]

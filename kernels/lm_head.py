@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .accept import ratio_args, store_logq
-from .utils import LOG2E, num_sms, resident_programs, row_stride, rows_ready
+from .utils import LOG2E, num_sms, online_lse, resident_programs, row_stride, rows_ready
 from .vocab import row_masses
 
 ONE_C_MAX = 128  # widest model whose hidden rows a program keeps in registers (one tl.dot per weight tile)
@@ -43,10 +43,10 @@ FINISH_C = 32  # columns per step of the finish kernel's draft dot products (64:
 def lm_head_tiles(C: int, dtype: torch.dtype) -> dict:
     """The stream kernel's constexpr tiles and launch meta for width C and dtype: they depend on nothing
     else (never on the row count), so one model compiles one variant per rule (greedy or not)."""
-    one_c = C <= ONE_C_MAX
-    block_c = max(16, triton.next_power_of_2(C)) if one_c else 64
     if dtype == torch.float32:  # IEEE fp32 dots: smaller tiles, the rows reloaded (in registers they spill, sm_90)
         return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_C=32, ONE_C=False, EVEN_C=C % 32 == 0, num_warps=8, num_stages=2)
+    one_c = C <= ONE_C_MAX
+    block_c = max(16, triton.next_power_of_2(C)) if one_c else 64
     return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_C=block_c, ONE_C=one_c, EVEN_C=C % block_c == 0, num_warps=4,
                 num_stages=NUM_STAGES)
 
@@ -116,10 +116,7 @@ def _lm_head_stream_kernel(
             o_v = t * BLOCK_V + tl.arange(0, BLOCK_V)
             b_x = _logit_tile(HID, W, b_h, o_n64, m_n, o_v, o_v < V, s_h, s_w, C, BLOCK_N, BLOCK_V, BLOCK_C, ONE_C,
                               EVEN_C, DOT_PREC)
-            m_new = tl.maximum(b_m, tl.max(b_x, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            b_s = b_s * tl.exp2((b_m - m_use) * scale) + tl.sum(tl.exp2((b_x - m_use[:, None]) * scale), 1)
-            b_m = m_new
+            b_m, b_s = online_lse(b_m, b_s, b_x, scale)
         tl.store(S + o_n64 * NS + pid_s, b_s, mask=m_n)
         if temperature != 1.0:  # a uniform branch, as vocab.processed
             b_m = tl.math.div_rn(b_m, temperature)

@@ -146,9 +146,11 @@ def exp_ftz(b_d):
 
 
 @triton.jit
-def online_lse(b_m, b_s, b_x):
-    """Fold a (BLOCK_N, BLOCK_V) chunk into per-row running max and sum of exp."""
+def online_lse(b_m, b_s, b_x, scale):
+    """Fold a (BLOCK_N, BLOCK_V) chunk b_x into per-row running max b_m and sum b_s of ``exp2((x - max) *
+    scale)``: ``scale = LOG2E`` sums exp(x - max) (as ``exp_ftz``); ``LOG2E / T`` sums exp((x - max) / T)
+    with one multiply-add per element, the max staying that of the raw x."""
     m_new = tl.maximum(b_m, tl.max(b_x, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    b_s = b_s * exp_ftz(b_m - m_use) + tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
+    b_s = b_s * tl.exp2((b_m - m_use) * scale) + tl.sum(tl.exp2((b_x - m_use[:, None]) * scale), 1)
     return m_new, b_s
