@@ -1,6 +1,6 @@
 """Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
 
-    python benchmarks/compile_sm90.py [--json FILE] [--dtypes bf16,fp32] [--cases REGEX]
+    python benchmarks/compile_sm90.py [--json FILE] [--dtypes bf16,fp32] [--cases REGEX] [--pdl]
 
 The Triton interpreter runs the kernels' arithmetic on the CPU but not the
 GPU compiler, so a kernel can pass every CPU test and still fail to compile,
@@ -11,6 +11,9 @@ launches only compile: Triton's own compiler and the bundled ptxas build each
 kernel variant, and nothing runs. Per variant it prints the registers per
 thread, the local memory (spills), the shared memory and the number of SASS
 instructions (``nvdisasm``), and it exits 1 if a kernel fails to compile.
+``--pdl`` builds the variants that ``kernels.utils.PDL`` launches on sm_90
+(programmatic dependent launch: ``USE_GDC`` and Triton's ``launch_pdl``); the
+``gdc`` column says whether a variant's PTX waits for the kernel before it.
 
 It needs triton's NVIDIA backend (bundled with the Linux wheels), and
 ``TRITON_INTERPRET`` unset, which it enforces before importing triton.
@@ -19,8 +22,10 @@ It needs triton's NVIDIA backend (bundled with the Linux wheels), and
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -69,7 +74,12 @@ def _resources(kernel) -> dict:
                               capture_output=True, text=True, check=True).stdout
     field = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
     return dict(registers=field.get("REG", 0), stack=field.get("STACK", 0), local=field.get("LOCAL", 0),
-                shared=kernel.metadata.shared, instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass)))
+                shared=kernel.metadata.shared, instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass)),
+                gdc="griddepcontrol.wait" in kernel.asm["ptx"])
+
+
+def _pdl_on(device) -> dict:
+    return dict(USE_GDC=True, launch_pdl=True)  # what utils.pdl_meta gives an sm_90 GPU when utils.PDL is set
 
 
 def _cases(dtype: torch.dtype):
@@ -201,12 +211,16 @@ def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None
                        torch.tensor([5, 700]), torch.zeros((), dtype=torch.bool), torch.zeros(3, dtype=torch.long))
 
 
-def compile_all(dtype_names, pattern: str = "") -> tuple[list, list]:
-    """Compile the kernels of every case whose name matches the regular expression ``pattern``: (rows of
-    per-variant resources, errors). For a process without a GPU: the offline driver stays active (Triton
-    cannot create its default driver there)."""
+def compile_all(dtype_names, pattern: str = "", pdl: bool = False) -> tuple[list, list]:
+    """Compile the kernels of every case whose name matches the regular expression ``pattern`` (with
+    ``pdl``, their programmatic-dependent-launch variants): (rows of per-variant resources, errors). For a
+    process without a GPU: the offline driver stays active (Triton cannot create its default driver there)."""
+    from sigmafast import kernels
+
     compiled = []
     launch = JITFunction.run
+    modules = [importlib.import_module(f"{kernels.__name__}.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+    modules = [m for m in modules if getattr(m, "pdl_meta", None) is kernels.utils.pdl_meta]
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
@@ -215,6 +229,8 @@ def compile_all(dtype_names, pattern: str = "") -> tuple[list, list]:
 
     driver.set_active(OfflineDriver())
     JITFunction.run = compile_only
+    for m in modules if pdl else ():  # the launchers' CPU tensors would turn it off
+        m.pdl_meta = _pdl_on
     rows, errors, seen = [], [], set()
     try:
         for dname in dtype_names:
@@ -235,6 +251,8 @@ def compile_all(dtype_names, pattern: str = "") -> tuple[list, list]:
                         rows.append(dict(dtype=dname, case=case, kernel=name, **_resources(kernel)))
     finally:
         JITFunction.run = launch
+        for m in modules:
+            m.pdl_meta = kernels.utils.pdl_meta
     return rows, errors
 
 
@@ -243,6 +261,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows and errors here")
     parser.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated: bf16, fp16, fp32")
     parser.add_argument("--cases", default="", help="only the cases whose name matches this regular expression")
+    parser.add_argument("--pdl", action="store_true", help="the variants launched with kernels.utils.PDL set")
     args = parser.parse_args()
     names = [n for n in args.dtypes.split(",") if n]
     bad = [n for n in names if n not in DTYPES]
@@ -252,12 +271,12 @@ def main() -> None:
         parser.error(f"--json {args.json}: the folder {args.json.parent} does not exist")
     if not (NV_BIN / "ptxas").exists():
         sys.exit(f"triton {triton.__version__} has no bundled ptxas under {NV_BIN}: cannot compile for sm_90")
-    rows, errors = compile_all(names, args.cases)
+    rows, errors = compile_all(names, args.cases, args.pdl)
     print(f"triton {triton.__version__}, sm_90 (code generation differs between versions: tl.histogram, for one)")
-    print(f"{'dtype':5} {'kernel':24} {'regs':>4} {'local':>5} {'shared':>6} {'SASS':>5}  first case")
+    print(f"{'dtype':5} {'kernel':24} {'regs':>4} {'local':>5} {'shared':>6} {'SASS':>5} {'gdc':>3}  first case")
     for r in rows:
         print(f"{r['dtype']:5} {r['kernel']:24} {r['registers']:4d} {r['local']:5d} {r['shared']:6d} "
-              f"{r['instructions']:5d}  {r['case']}")
+              f"{r['instructions']:5d} {'yes' if r['gdc'] else 'no':>3}  {r['case']}")
     for e in errors:
         print(f"\nFAILED {e['dtype']} {e['case']}: {e['error']}\n{e['trace']}")
     if args.json:

@@ -170,6 +170,8 @@ def main() -> None:
                         help="Engine(fused_ends=True): one-kernel sublayer ends in models at most 256 wide")
     parser.add_argument("--scoring", choices=["matmul", "fused"],
                         help="Engine(scoring=...): how a burst scores its drafts (default: the engine's)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="kernels.utils.PDL: Triton kernels with programmatic dependent launch (sm_90 or later)")
     args = parser.parse_args()
     for name, low in (("batch", 1), ("remaining", 1), ("orders", 1), ("vocab", 2), ("block_size", 1), ("top_k", 1)):
         value = getattr(args, name)
@@ -183,7 +185,10 @@ def main() -> None:
 
     import sigmafast
     from sigmafast import steps
+    from sigmafast.kernels import utils as kernel_utils
     from sigmafast.request import draw, draw_burst
+
+    kernel_utils.PDL = args.pdl
 
     if args.shape not in sigmafast.PRESETS:
         parser.error(f"--shape must be one of {sorted(sigmafast.PRESETS)}")

@@ -41,7 +41,7 @@ from .decide import decide
 from .checks import SCORINGS, check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
 from .reference import Acceptance
 from .topk import CAP, CHUNKS_PER_K, SCAN_V, key_value, prefilter, prefilter_config, threshold
-from .utils import LOG2E, exp_ftz, online_lse, row_stride, vocab_config
+from .utils import LOG2E, exp_ftz, gdc_enter, online_lse, pdl_meta, row_stride, vocab_config
 from .vocab import (aligned_rows, chunk_stats, processed, row_masses, row_window, split_config, window_load,
                     window_masks)
 
@@ -73,9 +73,10 @@ def store_logq(LOGQ, DLP, RATIO, o_n64, m_n, b_logq, HAS_DLP: tl.constexpr):
 @triton.jit(do_not_specialize=["s_x", "N"])
 def _draft_argmax_kernel(
     X, ARGMAX, s_x, N, V,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N,) first argmax of each logit row (greedy verification), over aligned row windows."""
+    gdc_enter(USE_GDC)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -99,10 +100,11 @@ def _draft_argmax_kernel(
 def _logq_finish_kernel(
     X, DRAFT, KTH, M, S, LOGQ, DLP, RATIO, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    HAS_DLP: tl.constexpr,
+    HAS_DLP: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N,) log q of the drafts from the (N, NC) chunk partials of ``vocab.chunk_stats``: the draft's
     processed logit minus the row log-sum-exp (and the log ratio, :func:`store_logq`)."""
+    gdc_enter(USE_GDC)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -133,9 +135,11 @@ def fixed_point_lse(b_x):
 def _topk_logq_kernel(
     X, DRAFT, KTH, CAND, COUNT, LOGQ, DLP, RATIO, s_x, N, V, temperature,
     CAP: tl.constexpr, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, HAS_DLP: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """(N,) log q of the drafts under top-k: the log-sum-exp over the row's prefilter candidates, which hold
     every logit >= the k-th largest (no second read of the row), or over the whole row when they overflowed."""
+    gdc_enter(USE_GDC)
     o_n64 = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,) this row
     m_n = o_n64 < N
     s_x = s_x * STRIDE_UNIT
@@ -184,6 +188,7 @@ def topk_logq(logits, drafts, temperature, top_k, block_v=None, chunk=None, cap=
         logits, drafts.contiguous(), kth, cand, count, res, *ratio_args(draft_logp, log_ratio, res),
         row_stride(logits) // cfg.unit, N, V, float(temperature),
         CAP=cap, SCAN_V=SCAN_V, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, HAS_DLP=draft_logp is not None, num_warps=4,
+        **pdl_meta(logits.device),
     )
     return res
 
@@ -213,7 +218,7 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None, draft_logp
         _draft_argmax_kernel[(triton.cdiv(N, block_n),)](
             logits, res, row_stride(logits) // unit, N, V,
             BLOCK_N=block_n, BLOCK_V=block_v, STRIDE_UNIT=unit, ALIGN=16 // logits.element_size(),
-            num_warps=num_warps,
+            num_warps=num_warps, **pdl_meta(logits.device),
         )
         return res
     if logits.device.type in CANDIDATE_DEVICES and top_k is not None and top_k < V:  # one read of the row
@@ -228,7 +233,7 @@ def draft_logq(logits, drafts, temperature, top_k=None, block_v=None, draft_logp
     _logq_finish_kernel[(triton.cdiv(N, FINISH_ROWS),)](
         logits, drafts, kth if kth is not None else res, m, s, res, *ratio_args(draft_logp, log_ratio, res), s_x, N,
         V, cfg.nc, float(temperature), BLOCK_N=FINISH_ROWS, NC_PAD=cfg.nc_pad, HAS_TOPK=kth is not None,
-        STRIDE_UNIT=cfg.unit, HAS_DLP=draft_logp is not None, num_warps=4,
+        STRIDE_UNIT=cfg.unit, HAS_DLP=draft_logp is not None, num_warps=4, **pdl_meta(logits.device),
     )
     return res
 

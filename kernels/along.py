@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_gather_drafts
+from .utils import gdc_enter, pdl_meta
 
 BLOCK_R = 256  # slots written per pass
 BLOCK_S = 256  # order steps per program
@@ -35,8 +36,9 @@ _SIZES = ["T", "R", "O", "S", "s_pb", "s_tb", "s_lb", "s_cb", "s_kb", "s_ub", "s
 def _gather_drafts_kernel(
     POS, TOK, LOGP, CANVAS, KNOWN, U, ORD, SCRATCH, TOK_O, LOGP_O, U_O, SLOT_O,
     T, R, O, S, s_pb, s_tb, s_lb, s_cb, s_kb, s_ub, s_ob, s_oo, s_os,
-    TILE_R: tl.constexpr, TILE_S: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_S: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     i_b = tl.program_id(0).to(tl.int64)
     p_map = SCRATCH + i_b * T
     for r0 in range(0, R, TILE_R):
@@ -82,7 +84,7 @@ def launch(positions, tokens, logp, canvas, known, uniforms, orders):
         positions, tokens, logp, canvas, known.view(torch.uint8), uniforms, orders, scratch,
         tok_o, logp_o, u_o, slot_o,
         T, R, O, S, positions.stride(0), tokens.stride(0), logp.stride(0), canvas.stride(0), known.stride(0),
-        uniforms.stride(0), *orders.stride(), TILE_R=BLOCK_R, TILE_S=BLOCK_S, num_warps=4,
+        uniforms.stride(0), *orders.stride(), TILE_R=BLOCK_R, TILE_S=BLOCK_S, num_warps=4, **pdl_meta(positions.device),
     )
     return tok_o, logp_o, u_o, slot_o
 

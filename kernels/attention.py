@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention, check_same
-from .utils import in_units, min_split_keys, num_sms, resident_programs, strides
+from .utils import gdc_enter, in_units, min_split_keys, num_sms, pdl_meta, resident_programs, strides
 
 MAX_HEAD_DIM = 256
 SPLIT_WAVE_PROGRAMS = 3  # the CPU interpreter's stand-in for the programs an SM holds (sm_90, D = 64, 16-bit: 3)
@@ -64,8 +64,9 @@ def _cascade_attn_kernel(
     s_cb, s_ch, s_cl, s_wb, s_wh, s_wl,
     H, M, N_M, D, L, SEG, tiles_per_split, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SPLITS: tl.constexpr, STRIDE_UNIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SPLITS: tl.constexpr, STRIDE_UNIT: tl.constexpr, DOT_PREC: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     pid = tl.program_id(0)  # (b, h) major, query tile minor: one (b, h)'s tiles run side by side
     pid_m = pid % N_M
     pid_bh = pid // N_M
@@ -165,9 +166,10 @@ def _combine_kernel(
     O_PART, LSE_PART, O,
     s_ob, s_og, s_os, s_oh,
     H, M, N_M, D, SEG, n_splits,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STRIDE_UNIT: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Merge the KV splits' normalised partial outputs by their base-2 log-sum-exps."""
+    gdc_enter(USE_GDC)
     pid = tl.program_id(0)
     pid_m = pid % N_M
     pid_bh = pid // N_M
@@ -267,7 +269,8 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
                 H, M, n_m, D, L, S, tiles_per_split, sm_scale)
 
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_SPLITS=True, STRIDE_UNIT=unit,
-                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+                **pdl_meta(q.device))
     if num_splits is None:  # whole waves of the programs an SM holds, each split over min_split_keys keys or more
         num_splits = max(1, min(32, n_tiles * BLOCK_N // min_split_keys(q.device)))
         if num_splits > 1:
@@ -290,6 +293,7 @@ def cascade_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, out=Non
         _combine_kernel[(B * H * n_m,)](
             o_part, lse_part, dst, *o_strides, H, M, n_m, D, S, num_splits,
             BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, STRIDE_UNIT=unit, num_warps=4 if BLOCK_D <= 128 else 8,  # no spills
+            **pdl_meta(q.device),
         )
     if dst is not out:
         out.copy_(dst)

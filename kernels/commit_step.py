@@ -44,7 +44,7 @@ import triton.language as tl
 
 from . import reference
 from .step_checks import check_commit
-from .utils import in_units, strides
+from .utils import gdc_enter, in_units, pdl_meta, strides
 
 BLOCK_R = 16  # accepted rows per loop step of the KV copy
 STATE_BLOCK = 64  # steps per loop step of the canvas writes
@@ -59,8 +59,9 @@ def _commit_kv_kernel(
     K, V, KC, VC, CHOICE, N, LENS, STATUS,
     s_kl, s_kb, s_ko, s_kh, s_vl, s_vb, s_vo, s_vh, s_kr, s_vr, s_cl, s_cb, s_ch, s_cs,
     H, R, max_len, has_status,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, STRIDE_UNIT: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     pid_bh = tl.program_id(0)
     i_l = tl.program_id(1).to(tl.int64)
     o_z = tl.arange(0, 2)  # the status counts, zeroed by the first program when there is a status
@@ -101,8 +102,9 @@ def _commit_kv_kernel(
 def _commit_state_kernel(
     ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS, FLAG, STATUS, RES, RES_STEP,
     s_ob, s_oo, s_tb, s_to, s_cb, s_mb, R, T, has_status, has_residual,
-    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     i_b = tl.program_id(0).to(tl.int64)
     i_o = tl.load(CHOICE + i_b).to(tl.int64)
     n = tl.minimum(tl.load(N + i_b).to(tl.int64), R)
@@ -158,6 +160,7 @@ def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, las
         _commit_kv_kernel[(B * H, n_layer)](
             keys, values, k_cache, v_cache, choice, n, lens, status_ptr, *in_units(unit, *kv_strides), H, R, L1 - 1,
             int(fused), D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=BLOCK_R, STRIDE_UNIT=unit, num_warps=1,
+            **pdl_meta(keys.device),
         )
     orders = orders if orders.stride(-1) == 1 else orders.contiguous()
     tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()
@@ -169,6 +172,7 @@ def launch(orders, choice, n, tokens, keys, values, canvas, known, last_tok, las
             flag.view(torch.uint8) if fused else mask, status_ptr, residual, residual_step,
             *strides(orders)[:2], *strides(tokens)[:2], strides(canvas)[0], strides(mask)[0], R, known.shape[1],
             int(fused), int(has_residual), BLOCK=STATE_BLOCK, BLOCK_T=STATUS_BLOCK, num_warps=1,
+            **pdl_meta(orders.device),
         )
     if status is not None and not fused:
         status.copy_(reference.burst_status(known, flag))

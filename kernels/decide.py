@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import reference
 from .reference import Acceptance
+from .utils import gdc_enter, pdl_meta
 
 BLOCK_O = 16
 BLOCK_R = 128
@@ -41,8 +42,9 @@ _STRIDES = ["s_sb", "s_so", "s_db", "s_do", "s_ub", "s_uo"]
 def _decide_kernel(
     SCORE, DRAFT, U, LENS, ACCEPT, N_ACC, FIRST, BEST, N_BEST, FLAG,
     s_sb, s_so, s_db, s_do, s_ub, s_uo, O, R, paper, check,
-    GREEDY: tl.constexpr, TILE_O: tl.constexpr, TILE_R: tl.constexpr,
+    GREEDY: tl.constexpr, TILE_O: tl.constexpr, TILE_R: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     i_b = tl.program_id(0).to(tl.int64)
     length = tl.load(LENS + i_b).to(tl.int32)
     best_n = tl.full((), -1, tl.int32)
@@ -105,7 +107,7 @@ def launch(scores, drafts, uniforms, lengths, greedy: bool, paper: bool, flag=No
     _decide_kernel[(B,)](
         scores, drafts, uniforms, lengths, accept.view(torch.uint8), n_accept, first, best, n_best, flag_u8,
         *scores.stride()[:2], *drafts.stride()[:2], *uniforms.stride()[:2], O, R, int(paper), int(flag is not None),
-        GREEDY=greedy, TILE_O=BLOCK_O, TILE_R=BLOCK_R, num_warps=8,
+        GREEDY=greedy, TILE_O=BLOCK_O, TILE_R=BLOCK_R, num_warps=8, **pdl_meta(scores.device),
     )
     return accept, n_accept, first, best, n_best
 

@@ -42,6 +42,7 @@ from .layer_norm import MAX_WIDTH, config, normalize
 from .linear_norm import MAX_INNER, blocks, project_rows, rows_per_program
 from .linear_norm import MAX_WIDTH as NEXT_MAX_WIDTH
 from .step_checks import check_feed_embedding
+from .utils import gdc_enter, pdl_meta
 
 
 @triton.jit(do_not_specialize=["N", "G", "S", "s_ob", "s_og", "s_os", "s_tb", "s_tg", "s_ts", "s_wte", "s_pi",
@@ -51,8 +52,9 @@ def _feed_embedding_kernel(
     N, G, S, s_ob, s_og, s_os, s_tb, s_tg, s_ts, s_wte, s_pi, s_po, s_w, s_q, eps,
     C: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HAS_PE: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STRIDE_UNIT: tl.constexpr, Q3: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     s_wte, s_pi, s_po = s_wte * STRIDE_UNIT, s_pi * STRIDE_UNIT, s_po * STRIDE_UNIT  # vectorised row loads
     pid = tl.program_id(0)
     o_r = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 row index math: N < 2**31 (checked by the launcher)
@@ -119,7 +121,7 @@ def launch(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weight, bias,
         C=C, HALF=C // 2, BLOCK_N=block_n, BLOCK_C=block_c, HAS_PE=has_pe, HAS_W=weight is not None,
         HAS_B=bias is not None, STRIDE_UNIT=unit, Q3=q3, BLOCK_Q=blocks(C, max(q3, 1), wte.dtype)[1],
         HAS_QB=next_bias is not None, DOT_PREC="ieee" if wte.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, maxnreg=192 if q3 and wte.dtype == torch.float32 else None,
+        num_warps=num_warps, maxnreg=192 if q3 and wte.dtype == torch.float32 else None, **pdl_meta(wte.device),
     )
     return x, h
 

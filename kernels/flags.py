@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .checks import FLOAT_DTYPES
 from .step_checks import check_flag_nonfinite
+from .utils import gdc_enter, pdl_meta
 
 _SIZES = ["M", "D1", "D2", "N", "s_x0", "s_x1", "s_x2", "s_u0", "s_u1", "s_u2"]
 
@@ -49,7 +50,9 @@ def _flag_nonfinite_kernel(
     X, USED, FLAG,
     M, D1, D2, N, s_x0, s_x1, s_x2, s_u0, s_u1, s_u2,
     HAS_USED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     N = N * STRIDE_UNIT  # N and the row strides in units of STRIDE_UNIT elements (see utils)
     s_x0, s_x1, s_x2 = s_x0 * STRIDE_UNIT, s_x1 * STRIDE_UNIT, s_x2 * STRIDE_UNIT
     o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -117,6 +120,7 @@ def launch(values: torch.Tensor, used: Optional[torch.Tensor], flag: torch.Tenso
         values, u, flag.view(torch.uint8),
         M, D1, D2, N // unit, s_x0 // unit, s_x1 // unit, s_x2 // unit, s_u0, s_u1, s_u2,
         HAS_USED=used is not None, BLOCK_M=block_m, BLOCK_N=block_n, STRIDE_UNIT=unit, num_warps=num_warps,
+        **pdl_meta(values.device),
     )
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .checks import FLOAT_DTYPES
 from .step_checks import check_add_layer_norm
+from .utils import gdc_enter, pdl_meta
 
 MAX_WIDTH = 16384
 
@@ -41,8 +42,9 @@ def _add_layer_norm_kernel(
     X, Y, W, B, S, H,
     N, s_x, s_y, s_w, eps,
     C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     s_x, s_y = s_x * STRIDE_UNIT, s_y * STRIDE_UNIT  # in units of STRIDE_UNIT elements (see utils)
     pid = tl.program_id(0)
     o_n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -108,7 +110,7 @@ def launch(x, y, weight, bias, eps):
         x2, y2, weight if weight is not None else x2, bias if bias is not None else x2, s2, h2,
         N, x2.stride(0) // unit, y2.stride(0) // unit, weight.stride(0) if weight is not None else 0, float(eps),
         C=C, BLOCK_N=block_n, BLOCK_C=block_c, HAS_W=weight is not None, HAS_B=bias is not None,
-        STRIDE_UNIT=unit, num_warps=num_warps,
+        STRIDE_UNIT=unit, num_warps=num_warps, **pdl_meta(x2.device),
     )
     return s, h
 

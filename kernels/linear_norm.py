@@ -42,6 +42,7 @@ import triton.language as tl
 from .checks import FLOAT_DTYPES, FUSED_END_WIDTH
 from .layer_norm import normalize, residual_rows
 from .step_checks import check_linear_add_norm, check_mlp_add_norm
+from .utils import gdc_enter, pdl_meta
 
 MAX_WIDTH = FUSED_END_WIDTH  # C: whole rows per program (wider models keep cuBLAS and the add + LayerNorm kernel)
 MAX_INNER = 16384  # K and F
@@ -92,8 +93,9 @@ def _linear_add_norm_kernel(
     N, s_x, s_y, s_w, s_q, eps,
     C: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, Q3: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C).to(tl.int64)
     m_m, m_c = o_m < N, o_c < C
@@ -116,8 +118,9 @@ def _mlp_add_norm_kernel(
     N, s_x, s_y, s_w, s_q, eps,
     C: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, Q3: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_QB: tl.constexpr, DOT_PREC: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C).to(tl.int64)
     m_m, m_c = o_m < N, o_c < C
@@ -178,7 +181,7 @@ def _launch(kernel, x, y, weights, biases, norm_weight, norm_bias, eps, inner: i
         float(eps), C, inner, block_m, block_c, block_i,
         HAS_BIAS=biases[0] is not None, HAS_W=norm_weight is not None, HAS_B=norm_bias is not None, Q3=q3,
         BLOCK_Q=blocks(C, max(q3, 1), x.dtype)[1], HAS_QB=next_bias is not None,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, **pdl_meta(x.device),
         maxnreg=192 if x.dtype == torch.float32 else None,  # ptxas 3.9 held a float32 variant to 80 and spilled
     )
     return s, h

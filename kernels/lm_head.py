@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .accept import ratio_args, store_logq
-from .utils import LOG2E, num_sms, online_lse, resident_programs, row_stride, rows_ready
+from .utils import LOG2E, gdc_enter, num_sms, online_lse, pdl_meta, resident_programs, row_stride, rows_ready
 from .vocab import row_masses
 
 ONE_C_MAX = 128  # widest model whose hidden rows a program keeps in registers (one tl.dot per weight tile)
@@ -80,10 +80,12 @@ def _lm_head_stream_kernel(
     HID, W, M, S, s_h, s_w, N, V, C, NVT, TPS, NS, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, ONE_C: tl.constexpr,
     EVEN_C: tl.constexpr, GREEDY: tl.constexpr, STRIDE_UNIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """Program (row block, split) streams weight tiles [split * TPS, min(NVT, split * TPS + TPS)) and writes
     its rows' (N, NS) partials: the max M and sum of exp(x - M) S of the processed logits (x / T); greedy: the
     max and its first index (S, as int32 bits)."""
+    gdc_enter(USE_GDC)
     s_h = s_h * STRIDE_UNIT  # see utils for STRIDE_UNIT
     s_w = s_w * STRIDE_UNIT
     pid_s = tl.program_id(1)
@@ -128,12 +130,13 @@ def _lm_head_stream_kernel(
 def _lm_head_finish_kernel(
     HID, W, DRAFT, M, S, LOGQ, ARGMAX, DLP, RATIO, s_h, s_w, N, V, C, NS, temperature,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NC_PAD: tl.constexpr, GREEDY: tl.constexpr,
-    HAS_DLP: tl.constexpr, STRIDE_UNIT: tl.constexpr,
+    HAS_DLP: tl.constexpr, STRIDE_UNIT: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N,) log q of the drafts from the (N, NS) split partials (and the log ratio, ``store_logq``), or the
     first argmax when greedy. A draft's logit is its own dot product ``hidden[n] . weight[d]`` in float32: it
     may differ from the stream kernel's tile value in the last bits (another summation order), so log q is
     capped at 0."""
+    gdc_enter(USE_GDC)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -187,7 +190,7 @@ def lm_head_logq(hidden, weight, drafts, temperature, draft_logp=None, log_ratio
     unit = 16 if C % 16 == 0 else 1
     rows, w = rows_ready(hidden, unit), rows_ready(weight, unit)
     meta = dict(lm_head_tiles(C, hidden.dtype), GREEDY=greedy, STRIDE_UNIT=unit,
-                DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32")
+                DOT_PREC="ieee" if hidden.dtype == torch.float32 else "tf32", **pdl_meta(hidden.device))
     nvt = triton.cdiv(V, meta["BLOCK_V"])
     n_rb = triton.cdiv(N, meta["BLOCK_N"])
     drafts = drafts.contiguous()
@@ -205,6 +208,6 @@ def lm_head_logq(hidden, weight, drafts, temperature, draft_logp=None, log_ratio
     _lm_head_finish_kernel[(triton.cdiv(N, rows_per),)](
         rows, w, drafts, m, s, res, res, *ratio_args(draft_logp, log_ratio, res), *args, ns, t, BLOCK_N=rows_per,
         BLOCK_C=min(FINISH_C, meta["BLOCK_C"]), NC_PAD=nc_pad, GREEDY=greedy, HAS_DLP=draft_logp is not None,
-        STRIDE_UNIT=unit, num_warps=4,
+        STRIDE_UNIT=unit, num_warps=4, **pdl_meta(hidden.device),
     )
     return res

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_residual_pick
+from .utils import gdc_enter, pdl_meta
 
 BLOCK_B = 4  # rows per program of the pick
 BLOCK_W = 1024  # row columns per program of the pick's copies
@@ -48,8 +49,9 @@ def _copy_rows(SRC, DST, o_b, m_b, row, o_w, W, s_b, s_r, s_out):
 def _residual_pick_kernel(
     N, REM, ORD, SLOT, U, DRAFT, VERIFIER, U_OUT, N_OUT, D_OUT, V_OUT,
     B, R, s_ob, s_sb, s_ub, W_D, W_V, s_db, s_dr, s_vb, s_vr, s_pd, s_pv,
-    TILE_B: tl.constexpr, TILE_W: tl.constexpr,
+    TILE_B: tl.constexpr, TILE_W: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     o_b = tl.program_id(0).to(tl.int64) * TILE_B + tl.arange(0, TILE_B).to(tl.int64)
     m_b = o_b < B
     b_n = tl.load(N + o_b, mask=m_b, other=0).to(tl.int64)
@@ -92,7 +94,7 @@ def pick_launch(n, remaining, orders, slots, u_residual, drafts, verifier):
         n, remaining, orders, slots, u_residual, drafts, verifier, u, n_commit,
         d_row, v_row, B, R, orders.stride(0), slots.stride(0), u_residual.stride(0), W_D, W_V,
         *drafts.stride()[:2], *verifier.stride()[:2], d_row.stride(0), v_row.stride(0),
-        TILE_B=BLOCK_B, TILE_W=BLOCK_W, num_warps=4,
+        TILE_B=BLOCK_B, TILE_W=BLOCK_W, num_warps=4, **pdl_meta(orders.device),
     )
     return u, n_commit, d_row, v_row
 

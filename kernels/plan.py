@@ -20,12 +20,14 @@ import triton
 import triton.language as tl
 
 from .checks import check_plan_step
+from .utils import gdc_enter, pdl_meta
 
 BLOCK = 256  # values copied per loop step
 
 
 @triton.jit(do_not_specialize=["WB", "B", "T", "s_w", "s_b"])
-def _plan_step_kernel(STEPS, STEP, NOW, WB, B, T, s_w, s_b, TILE: tl.constexpr):
+def _plan_step_kernel(STEPS, STEP, NOW, WB, B, T, s_w, s_b, TILE: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     s = tl.atomic_add(STEP, 1).to(tl.int64)  # the old value: the step this token reads
     n_read = tl.where((s >= 0) & (s < T), WB, 0)  # nothing read outside the plan
     o = tl.arange(0, TILE)
@@ -42,7 +44,7 @@ def launch(steps: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         steps = steps.contiguous()
     now = torch.empty(W, B, dtype=torch.int64, device=steps.device)
     _plan_step_kernel[(1,)](steps, step, now, W * B, max(B, 1), T, steps.stride(0), steps.stride(1),
-                            TILE=BLOCK, num_warps=4)
+                            TILE=BLOCK, num_warps=4, **pdl_meta(steps.device))
     return now
 
 

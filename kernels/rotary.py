@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .checks import FLOAT_DTYPES
 from .step_checks import check_rotary
+from .utils import gdc_enter, pdl_meta
 
 BLOCK_N = 16  # rows (tokens) per program
 
@@ -56,8 +57,9 @@ def _rotary_kernel(
     Q, K, V, POS_Q, POS_K, COS, SIN,
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_pt, s_rb, s_rt, s_cos, s_sin,
     N, T, H, D2, sign,
-    BLOCK: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D2: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     pid_p = tl.program_id(1)  # 0: q (its target positions), 1: k, 2: v (their own positions)
     o_n = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m_n = o_n < N
@@ -117,7 +119,7 @@ def launch(q, k, v, pos_q, pos_k, cos, sin, sign: float) -> bool:
         *(s for x in (xq, xk, xv) for s in (x.stride(0), x.stride(1), x.stride(2))),
         pq.stride(0), pq.stride(1), pk.stride(0), pk.stride(1), cos.stride(0), sin.stride(0),
         N, T, H, D // 2, float(sign),
-        BLOCK=BLOCK_N, BLOCK_D2=triton.next_power_of_2(max(D // 2, 1)), num_warps=4,
+        BLOCK=BLOCK_N, BLOCK_D2=triton.next_power_of_2(max(D // 2, 1)), num_warps=4, **pdl_meta(xq.device),
     )
     return True
 

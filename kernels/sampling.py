@@ -53,7 +53,7 @@ import triton.language as tl
 from .topk import threshold
 from .checks import check_residual, check_sampling, check_used_rows
 from .flags import launch as flag_launch
-from .utils import exp_ftz, row_stride
+from .utils import exp_ftz, gdc_enter, pdl_meta, row_stride
 from .vocab import (
     aligned_rows, chunk_stats, residual_masses, residual_probs, row_masses, row_window,
     split_config, window_load, window_masks,
@@ -140,8 +140,9 @@ def flag_rows(USED, FLAG, o_n, o_n64, total, s_u, N, check):
 def _sample_kernel(
     QL, U, KQ, MQ, SQ, TOK, LOGP, USED, FLAG, s_x, s_u, N, V, NC, check, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     _sample_rows(QL, QL, U, KQ, KQ, MQ, SQ, MQ, MQ, MQ, TOK, LOGP, USED, FLAG, s_x, s_u, N, V, NC, check,
                  temperature, BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, False, STRIDE_UNIT, ALIGN)
 
@@ -150,8 +151,9 @@ def _sample_kernel(
 def _residual_kernel(
     QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     _sample_rows(QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, TOK, TOK, TOK, s_x, 0, N, V, NC, 0, temperature,
                  BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, True, STRIDE_UNIT, ALIGN)
 
@@ -183,7 +185,7 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None, used=
     s_x = row_stride(q_logits) // cfg.unit
     grid = (triton.cdiv(N, cfg.block_n),)
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
-                STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps)
+                STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps, **pdl_meta(q_logits.device))
     if residual:  # q's and p's partials in one launch: (2N, NC), q's rows first
         m, s = chunk_stats(q_logits, kq, temperature, cfg, s_x, p_logits, kp)
         mq, sq, mp, sp = m[:N], s[:N], m[N:], s[N:]

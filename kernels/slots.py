@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_draft_slots
+from .utils import gdc_enter, pdl_meta
 
 BLOCK_T = 1024  # positions per pass of a slots program
 BLOCK_I = 32  # positions ranked per orders program
@@ -109,8 +110,9 @@ def _order_tile(KEYS, KNOWN, ORD, i_b, i_o, i_t, T, R, s_nb, s_nt, s_kb, s_ko, s
 def _draft_slots_kernel(
     KNOWN, U, KEYS, POS, U_OUT, USED, REM, ORD,
     B, T, R, O, n_tiles, s_nb, s_nt, s_ub, s_kb, s_ko, s_kt, s_ob, s_oo,
-    TILE_T: tl.constexpr, TILE_I: tl.constexpr, TILE_J: tl.constexpr, FILL: tl.constexpr,
+    TILE_T: tl.constexpr, TILE_I: tl.constexpr, TILE_J: tl.constexpr, FILL: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     pid = tl.program_id(0)
     if pid < B:
         _slots_row(KNOWN, U, POS, U_OUT, USED, REM, pid.to(tl.int64), T, R, s_nb, s_ub, TILE_T)
@@ -138,7 +140,7 @@ def launch(known: torch.Tensor, uniforms: torch.Tensor, keys: torch.Tensor, R: i
     _draft_slots_kernel[(B + B * O * n_tiles,)](
         known.view(torch.uint8), uniforms, keys, positions, u_out, used.view(torch.uint8), remaining, orders,
         B, T, R, O, n_tiles, *known.stride(), uniforms.stride(0), *keys.stride(), orders.stride(0), orders.stride(1),
-        TILE_T=BLOCK_T, TILE_I=BLOCK_I, TILE_J=BLOCK_J, FILL=KNOWN_KEY, num_warps=4,
+        TILE_T=BLOCK_T, TILE_I=BLOCK_I, TILE_J=BLOCK_J, FILL=KNOWN_KEY, num_warps=4, **pdl_meta(known.device),
     )
     return positions, u_out, used, remaining, orders
 

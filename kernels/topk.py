@@ -79,6 +79,7 @@ import triton
 import triton.language as tl
 
 from . import reference
+from .utils import gdc_enter, pdl_meta
 from .vocab import (aligned_rows, in_rows, is_interior, row_window, split_config, stream_grid, stream_load,
                     stream_tile, window_masks)
 
@@ -136,11 +137,12 @@ def bisect_keys(b_key, k, ROWS: tl.constexpr, BITS: tl.constexpr):
 @triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "NC", "NT", "n_tiles"])
 def _chunk_max_kernel(
     X, Y, CMAX, s_x, N, N_X, V, NC, NT, n_tiles,
-    BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N, NC) int32 bits of the max key of each CHUNK-column window chunk (0 where it holds no column) of the
     N_X rows of X, then the N - N_X rows of Y. The (row, window tile of BLOCK_V columns) tiles are streamed as
     in ``vocab._chunk_stats_kernel``: each program loads its next tile before it reduces the current one."""
+    gdc_enter(USE_GDC)
     s_x = s_x * STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
@@ -159,9 +161,11 @@ def _chunk_max_kernel(
 
 
 @triton.jit(do_not_specialize=["N", "NC", "top_k"])
-def _pivot_kernel(CMAX, T0, COUNT, N, NC, top_k, BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, BITS: tl.constexpr):
+def _pivot_kernel(CMAX, T0, COUNT, N, NC, top_k, BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, BITS: tl.constexpr,
+                  USE_GDC: tl.constexpr):
     """Each row's t0, the k-th largest of its chunk maxima (at least 1, above the columns outside the row),
     and a zero candidate count."""
+    gdc_enter(USE_GDC)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -183,11 +187,12 @@ def pair_row(X, Y, n, N_X):
 @triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "NC"])
 def _collect_kernel(
     X, Y, CMAX, T0, COUNT, CAND, s_x, N, N_X, V, NC,
-    CHUNK: tl.constexpr, CAP: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr, CAP: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Append the keys >= t0 of chunks [32 p, 32 p + 32) of row n (of X's N_X rows then Y's) to the row's
     (CAP,) candidates (the count goes on past CAP), loading only the chunks whose max is >= t0: a loop over
     the set bits of their mask."""
+    gdc_enter(USE_GDC)
     n = tl.program_id(0).to(tl.int64)
     o_n64 = n + tl.arange(0, 1)  # (1,) this row
     m_n = o_n64 < N
@@ -236,9 +241,11 @@ def bisect_row(X, o_n64, m_n, s_x, V, k, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.c
 def _cand_select_kernel(
     X, Y, CAND, COUNT, OUT, s_x, N, N_X, V, top_k,
     CAP: tl.constexpr, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, BITS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """Each row's k-th largest value: of its candidates, or of its whole row (of X's N_X rows then Y's) when
     they overflowed CAP."""
+    gdc_enter(USE_GDC)
     n = tl.program_id(0).to(tl.int64)
     o_n64 = n + tl.arange(0, 1)  # (1,) this row
     m_n = o_n64 < N
@@ -256,10 +263,11 @@ def _cand_select_kernel(
 @triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "shift"])
 def _radix_hist_kernel(
     X, Y, PREFIX, HIST, s_x, N, N_X, V, shift,
-    BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Add the histogram of key digit ``(key >> shift) & 255`` of chunk c of row n (of X's N_X rows then
     Y's), over the keys whose bits above ``shift + 8`` equal the row's prefix, into the row's (256,) counts."""
+    gdc_enter(USE_GDC)
     n = tl.program_id(0).to(tl.int64)
     o_n64 = n + tl.arange(0, 1)  # (1,) this row
     c = tl.program_id(1)
@@ -283,8 +291,9 @@ def _radix_hist_kernel(
 
 
 @triton.jit(do_not_specialize=["N", "shift"])
-def _radix_select_kernel(PREFIX, KREM, HIST, OUT, N, shift, BLOCK_N: tl.constexpr):
+def _radix_select_kernel(PREFIX, KREM, HIST, OUT, N, shift, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr):
     """Each row's next digit: the largest d whose count of digits >= d reaches the remaining rank."""
+    gdc_enter(USE_GDC)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n64 = o_n.to(tl.int64)
@@ -364,18 +373,18 @@ def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP,
     t0 = torch.empty(N, dtype=torch.int32, device=logits.device)
     args = (x, y, cmax, s_x, N, N_X, V, nc, cfg.nc, N * cfg.nc)
     meta = dict(BLOCK_V=cfg.block_v, CHUNK=chunk, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align,
-                num_warps=max(1, min(4, cfg.block_v // 1024)))
+                num_warps=max(1, min(4, cfg.block_v // 1024)), **pdl_meta(logits.device))
     _chunk_max_kernel[stream_grid(_chunk_max_kernel, N * cfg.nc, args, meta, logits.device)](*args, **meta)
     nc_pad = triton.next_power_of_2(nc)
     rows = max(1, PIVOT_TILE // nc_pad)
     _pivot_kernel[(triton.cdiv(N, rows),)](cmax, t0, count, N, nc, top_k, BLOCK_N=rows, NC_PAD=nc_pad, BITS=bits,
-                                           num_warps=8)
+                                           num_warps=8, **pdl_meta(cmax.device))
     _collect_kernel[(N, triton.cdiv(nc, 32))](
         x, y, cmax, t0, count, cand, s_x, N, N_X, V, nc,
-        CHUNK=chunk, CAP=cap, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=1,
+        CHUNK=chunk, CAP=cap, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=1, **pdl_meta(x.device),
     )
     _cand_select_kernel[(N,)](x, y, cand, count, out, s_x, N, N_X, V, top_k, CAP=cap, SCAN_V=SCAN_V,
-                              STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, BITS=bits, num_warps=4)
+                              STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, BITS=bits, num_warps=4, **pdl_meta(x.device))
     return out, cand, count
 
 
@@ -395,10 +404,11 @@ def radix_kth_largest(logits: torch.Tensor, top_k: int, block_v: Optional[int] =
     for shift in range(32 - DIGIT_BITS.value, 31 - KEY_BITS[logits.dtype], -DIGIT_BITS.value):
         _radix_hist_kernel[(N, cfg.nc)](
             x, y, prefix, hist, s_x, N, N_X, V, shift,
-            BLOCK_V=cfg.block_v, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=warps,
+            BLOCK_V=cfg.block_v, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=warps, **pdl_meta(x.device),
         )
         _radix_select_kernel[(triton.cdiv(N, SELECT_ROWS),)](prefix, krem, hist, out, N, shift,
-                                                              BLOCK_N=SELECT_ROWS, num_warps=4)
+                                                              BLOCK_N=SELECT_ROWS, num_warps=4,
+                                                              **pdl_meta(prefix.device))
     return out
 
 

@@ -62,6 +62,39 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+PDL = False  # programmatic dependent launch on sm_90 and later (``pdl_meta``); off until a card measures it
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_meta(device: torch.device) -> dict:
+    """The launch meta-parameters of every kernel: ``USE_GDC`` (``gdc_enter``) and, with it, Triton's
+    ``launch_pdl`` option, on when :data:`PDL` is set and ``device`` is a CUDA GPU of compute capability 9 or
+    more (Hopper's programmatic dependent launch: in a stream or a replayed CUDA graph, a kernel's launch and
+    its programs' start overlap the end of the kernel before it, which otherwise costs a launch gap at each of
+    the 40 to 230 kernels of a captured step). Off in the CPU interpreter, so its variants are those of a
+    plain launch."""
+    if PDL and device.type == "cuda":
+        if _cuda_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9:
+            return dict(USE_GDC=True, launch_pdl=True)
+    return dict(USE_GDC=False)
+
+
+@triton.jit
+def gdc_enter(USE_GDC: tl.constexpr):
+    """The first statement of every kernel. With ``USE_GDC`` (a programmatic dependent launch, ``pdl_meta``),
+    wait until the previous kernel in the stream has finished and its writes are visible (a kernel may start
+    before: every program waits, before any load or store, so none of them reads stale data or overwrites
+    what the previous kernel still reads, and the kernel completes only after its predecessor), then let the
+    next kernel launch (its programs take the SMs' free slots and wait in turn)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 REGISTERS_PER_SM = 65536  # every NVIDIA GPU from sm_50 to sm_120
 
 

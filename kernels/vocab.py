@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import exp_ftz, num_sms, resident_programs, rows_ready
+from .utils import exp_ftz, gdc_enter, num_sms, pdl_meta, resident_programs, rows_ready
 
 CHUNK = 2048  # default BLOCK_V: 4 KB (bf16) to 8 KB (fp32) per row per program
 TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) tile of partials
@@ -244,11 +244,12 @@ def stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK: tl
 def _chunk_stats_kernel(
     X, Y, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N, NC) chunk max M and sum of exp(x - M) S of the processed logits: the N_X rows of X (top-k
     thresholds KX), in its first n_rb_x row blocks, then the N - N_X rows of Y (KY). Each program strides over
     the (row block, chunk) tiles and loads tile i + 1 before it reduces tile i (see ``stream_grid``)."""
+    gdc_enter(USE_GDC)
     s_x = s_x * STRIDE_UNIT  # see utils for STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
@@ -294,11 +295,12 @@ def row_masses(M, S, o_n64, m_n, NC, NC_PAD: tl.constexpr):
 def _residual_mass_kernel(
     QL, PL, KQ, KP, MQ, SQ, MP, SP, RM, QM, LSE, s_x, N, V, NC, n_rb, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N, NC) chunk masses of max(0, q - p) (RM) and of q (QM), q and p the processed softmaxes (q and p
     rows share the row stride s_x), and the (N, 2) log-sum-exps of q and p (LSE) that normalised them, for the
     sampling kernel. Streams the tiles as ``_chunk_stats_kernel`` does, q's and p's together."""
+    gdc_enter(USE_GDC)
     s_x = s_x * STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
@@ -372,7 +374,7 @@ def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int, m
     args = (logits, logits if more is None else more, k_x, k_x if more_kth is None else more_kth, m, s,
             stride_units, N, N_X, V, cfg.nc, n_rb, n_rb_x, n_rb * cfg.nc, float(temperature))
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
-                ALIGN=cfg.align, num_warps=cfg.stream_warps)
+                ALIGN=cfg.align, num_warps=cfg.stream_warps, **pdl_meta(logits.device))
     _chunk_stats_kernel[stream_grid(_chunk_stats_kernel, n_rb * cfg.nc, args, meta, logits.device)](*args, **meta)
     return m, s
 
@@ -389,7 +391,7 @@ def residual_masses(q_logits, p_logits, kq, kp, mq, sq, mp, sp, temperature, cfg
     args = (q_logits, p_logits, kq if kq is not None else mq, kp if kp is not None else mq, mq, sq, mp, sp, rm, qm,
             lse, stride_units, N, V, cfg.nc, n_rb, n_rb * cfg.nc, float(temperature))
     meta = dict(BLOCK_N=block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
-                STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.stream_warps)
+                STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.stream_warps, **pdl_meta(q_logits.device))
     grid = stream_grid(_residual_mass_kernel, n_rb * cfg.nc, args, meta, q_logits.device)
     _residual_mass_kernel[grid](*args, **meta)
     return rm, qm, lse

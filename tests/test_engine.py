@@ -11,6 +11,7 @@ from helpers import tiny_model
 import sigmafast
 from sigmafast import kernels, naive, steps
 from sigmafast.engine import NeuralSession
+from sigmafast.kernels import utils as kernel_utils
 from sigmafast.request import BurstDraws, draw, draw_burst
 
 T = 8
@@ -322,6 +323,48 @@ def test_cuda_graphs_replay_the_eager_tokens(strategy, acceptance, num_orders, t
             sigmafast.generate(small, torch.zeros(2, 0, dtype=torch.long, device="cuda"), length, **kwargs)
     assert len(small._sessions) == 1 and all(key[1] == id(next(iter(small._sessions.values())))
                                              for key in small._graphs.graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of compute capability 9 or more")
+@pytest.mark.parametrize("strategy,acceptance,num_orders,top_k", [
+    ("burst", "paper", 3, None), ("burst", "lossless", 1, 2), ("autoregressive", "lossless", 1, None)])
+def test_programmatic_dependent_launch_keeps_the_tokens(monkeypatch, strategy, acceptance, num_orders, top_k):
+    """With ``kernels.utils.PDL`` set, every Triton kernel may start before the one before it ends and waits for
+    it in ``gdc_enter``: replayed graphs and eager runs give the tokens of plain launches."""
+    model = tiny_model(VOCAB, 40, seed=3, std=0.5, dtype=torch.float32).cuda()
+    kwargs = dict(strategy=strategy, acceptance=acceptance, num_orders=num_orders, top_k=top_k, return_stats=True)
+    with kernels.use_backend("triton"):
+        plain = [sigmafast.generate(sigmafast.Engine(model, buckets=True, cuda_graphs=False), idx, 35,
+                                    generator=torch.Generator("cuda").manual_seed(seed), **kwargs)
+                 for seed, idx in _prompts(4)]
+        monkeypatch.setattr(kernel_utils, "PDL", True)
+        assert kernel_utils.pdl_meta(torch.device("cuda")) == dict(USE_GDC=True, launch_pdl=True)
+        for engine in (sigmafast.Engine(model, buckets=True, cuda_graphs=False), sigmafast.Engine(model)):
+            for (want, s_want), (seed, idx) in zip(plain, _prompts(4)):  # the graphs: captured, then replayed
+                got, s_got = sigmafast.generate(engine, idx, 35, generator=torch.Generator("cuda").manual_seed(seed),
+                                                **kwargs)
+                assert torch.equal(got, want)
+                assert torch.equal(s_got.accepted, s_want.accepted)
+
+
+def _prompts(n: int):
+    return [(seed, torch.randint(0, VOCAB, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+            for seed in range(n)]
+
+
+def test_pdl_is_off_in_the_interpreter_and_before_sm90(monkeypatch):
+    """``utils.pdl_meta``: plain launches unless ``PDL`` is set and the device is a CUDA GPU of compute
+    capability 9 or more (the PTX ``griddepcontrol`` instructions need sm_90)."""
+    monkeypatch.setattr(kernel_utils, "PDL", True)
+    assert kernel_utils.pdl_meta(torch.device("cpu")) == dict(USE_GDC=False)
+    for major, on in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(kernel_utils, "_cuda_major", lambda index, major=major: major)
+        want = dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
+        assert kernel_utils.pdl_meta(torch.device("cuda", 0)) == want
+    monkeypatch.setattr(kernel_utils, "PDL", False)
+    assert kernel_utils.pdl_meta(torch.device("cuda", 0)) == dict(USE_GDC=False)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -33,14 +33,13 @@ def _ptxas() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def _compile_report(tmp_path_factory, *flags: str) -> dict:
     if not _ptxas().exists():
         pytest.skip("triton has no bundled NVIDIA ptxas here: cannot compile for sm_90")
     out = tmp_path_factory.mktemp("sm90") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # this checkout's kernels
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), "--dtypes", "bf16,fp32",
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py"), *flags,
                            "--json", str(out)], capture_output=True, text=True, env=env, timeout=1200)
     if not out.exists():
         pytest.fail(f"compile_sm90.py wrote no report (rc {done.returncode}):\n"
@@ -48,18 +47,36 @@ def report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def test_every_kernel_compiles_for_sm90(report):
-    failed = [f"{e['dtype']} {e['case']}: {e['error']}" for e in report["errors"]]
-    assert not failed, "kernels that do not compile for sm_90:\n" + "\n".join(failed)
-    for dtype in ("bf16", "fp32"):
-        built = {r["kernel"] for r in report["rows"] if r["dtype"] == dtype}
-        assert built == KERNELS, f"{dtype}: missing {sorted(KERNELS - built)}, unexpected {sorted(built - KERNELS)}"
+def _problems(rep: dict, dtypes: tuple, gdc: bool) -> list:
+    """What is wrong with a compile_sm90 report: failed compilations, kernels missing per dtype, spills, and
+    variants whose PTX does (plain) or does not (``gdc``) wait for the previous kernel."""
+    out = [f"does not compile: {e['dtype']} {e['case']}: {e['error']}" for e in rep["errors"]]
+    for dtype in dtypes:
+        built = {r["kernel"] for r in rep["rows"] if r["dtype"] == dtype}
+        if built != KERNELS:
+            out.append(f"{dtype}: missing {sorted(KERNELS - built)}, unexpected {sorted(built - KERNELS)}")
+    for r in rep["rows"]:
+        if r["local"] or r["stack"]:
+            out.append(f"spills: {r['dtype']} {r['kernel']} ({r['case']}): {r['stack']} bytes of stack, "
+                       f"{r['local']} of local memory")
+        if r["gdc"] != gdc:
+            out.append(f"{'no' if gdc else 'a'} griddepcontrol.wait: {r['dtype']} {r['kernel']} ({r['case']})")
+    return out
 
 
-def test_no_kernel_spills_registers(report):
-    spills = [f"{r['dtype']} {r['kernel']} ({r['case']}): {r['stack']} bytes of stack, {r['local']} of local memory"
-              for r in report["rows"] if r["local"] or r["stack"]]
-    assert not spills, "kernels that spill on sm_90:\n" + "\n".join(spills)
+def test_every_kernel_compiles_for_sm90_without_spills(tmp_path_factory):
+    """Every variant the launchers make, bf16 and fp32: compiles, takes no stack or local memory, and never
+    waits on ``griddepcontrol`` (plain launches)."""
+    problems = _problems(_compile_report(tmp_path_factory, "--dtypes", "bf16,fp32"), ("bf16", "fp32"), gdc=False)
+    assert not problems, "\n".join(problems)
+
+
+def test_programmatic_dependent_launch_variants_compile_and_wait(tmp_path_factory):
+    """The variants launched with ``kernels.utils.PDL``: a kernel may start before the previous one ends, so
+    every one must wait for it (``utils.gdc_enter``, PTX ``griddepcontrol.wait``) before it reads or writes;
+    they compile for sm_90 without spills too."""
+    problems = _problems(_compile_report(tmp_path_factory, "--dtypes", "bf16", "--pdl"), ("bf16",), gdc=True)
+    assert not problems, "\n".join(problems)
 
 
 def test_the_tests_launches_compile_for_sm90():
