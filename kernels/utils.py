@@ -12,7 +12,8 @@ strides are not multiples of 16) and the kernel multiplies it back, so the
 compiler sees a multiple of 16. Innermost strides are 1 and not passed.
 Small per-row vectors (uniforms, drafts, thresholds, cache lengths), often
 views at any offset, are in ``do_not_specialize_on_alignment``; the large
-operands keep Triton's 16-byte pointer-alignment specialisation.
+operands keep Triton's 16-byte pointer-alignment specialisation. Every kernel
+also takes ``USE_GDC`` (``pdl_meta``), fixed per device, so it adds no variant.
 """
 
 from __future__ import annotations
