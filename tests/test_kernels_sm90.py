@@ -7,6 +7,7 @@ Triton's compiler and the bundled ptxas, and nothing runs.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -77,6 +78,23 @@ def test_programmatic_dependent_launch_variants_compile_and_wait(tmp_path_factor
     they compile for sm_90 without spills too."""
     problems = _problems(_compile_report(tmp_path_factory, "--dtypes", "bf16", "--pdl"), ("bf16",), gdc=True)
     assert not problems, "\n".join(problems)
+
+
+def test_every_kernel_waits_before_its_first_statement():
+    """``gdc_enter(USE_GDC)`` is the first statement of every Triton kernel (after its docstring): under
+    programmatic dependent launch nothing before it may read or write memory (the PTX check above only sees
+    that the wait is there)."""
+    found, late = set(), []
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("triton.jit" in ast.unparse(d) for d in node.decorator_list) \
+                    and node.name.endswith("_kernel"):
+                found.add(node.name)
+                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                if ast.unparse(body[0]) != "gdc_enter(USE_GDC)":
+                    late.append(f"{path.name}: {node.name} starts with {ast.unparse(body[0])!r}")
+    assert found == KERNELS, f"missing {sorted(KERNELS - found)}, unexpected {sorted(found - KERNELS)}"
+    assert not late, "\n".join(late)
 
 
 def test_the_tests_launches_compile_for_sm90():
