@@ -52,23 +52,24 @@ def rows_ready(t: torch.Tensor, unit: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def cuda_props(device: torch.device):
+    """``torch.cuda.get_device_properties`` of a CUDA device (its index, or the current one), cached."""
+    return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_props(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors to fill; a small stand-in in the CPU interpreter."""
     if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return cuda_props(device).multi_processor_count
     return 4
 
 
 PDL = False  # programmatic dependent launch on sm_90 and later (``pdl_meta``); off until a card measures it
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
 
 
 def pdl_meta(device: torch.device) -> dict:
@@ -77,10 +78,9 @@ def pdl_meta(device: torch.device) -> dict:
     more (Hopper's programmatic dependent launch: in a stream or a replayed CUDA graph, a kernel's launch and
     its programs' start overlap the end of the kernel before it, which otherwise costs a launch gap at each of
     the 40 to 230 kernels of a captured step). Off in the CPU interpreter, so its variants are those of a
-    plain launch."""
-    if PDL and device.type == "cuda":
-        if _cuda_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9:
-            return dict(USE_GDC=True, launch_pdl=True)
+    plain launch. Set it before an engine captures its steps: a replayed graph keeps the launches it recorded."""
+    if PDL and device.type == "cuda" and cuda_props(device).major >= 9:
+        return dict(USE_GDC=True, launch_pdl=True)
     return dict(USE_GDC=False)
 
 
@@ -128,7 +128,7 @@ def measured_or_fallback(measure: Callable[[], int], name: str) -> int:
 def _compiled_occupancy(kernel, args: tuple, meta: dict, index: int) -> int:
     compiled = kernel.warmup(*args, grid=(1,), **meta)  # compiles (or finds) the launch's variant, no launch
     compiled._init_handles()  # loads the binary and sets n_regs, as the tutorial does
-    props = torch.cuda.get_device_properties(index)  # older torch lacks the fields: sm_90's values
+    props = _cuda_props(index)  # older torch lacks the fields: sm_90's values
     return occupancy(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps,
                      getattr(props, "max_threads_per_multi_processor", 2048),
                      getattr(props, "shared_memory_per_multiprocessor", 233_472))

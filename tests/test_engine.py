@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -360,7 +361,7 @@ def test_pdl_is_off_in_the_interpreter_and_before_sm90(monkeypatch):
     monkeypatch.setattr(kernel_utils, "PDL", True)
     assert kernel_utils.pdl_meta(torch.device("cpu")) == dict(USE_GDC=False)
     for major, on in ((8, False), (9, True), (10, True)):
-        monkeypatch.setattr(kernel_utils, "_cuda_major", lambda index, major=major: major)
+        monkeypatch.setattr(kernel_utils, "cuda_props", lambda device, major=major: SimpleNamespace(major=major))
         want = dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
         assert kernel_utils.pdl_meta(torch.device("cuda", 0)) == want
     monkeypatch.setattr(kernel_utils, "PDL", False)
