@@ -34,7 +34,9 @@ CUDA and float32 on CPU:
   narrow models' one-kernel sublayer ends in place of cuBLAS's matmuls (CUDA,
   ``tiny`` and ``small`` only); ``burst-fused-scoring``: through
   ``Engine(scoring="fused")``, the drafts scored by the LM-head stream kernel
-  (``kernels/lm_head.py``) in place of the matmul and log q kernel (CUDA only);
+  (``kernels/lm_head.py``) in place of the matmul and log q kernel (CUDA only); ``burst-auto-scoring``:
+  through ``Engine(scoring="auto")``, which times both at each burst shape's first run and keeps the faster
+  (``scoring_choices`` in the report; CUDA only);
   ``ar-pdl`` and ``burst-pdl``: with ``sigmafast.kernels.utils.PDL`` set, every Triton kernel launched with
   programmatic dependent launch (sm_90 or later only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
@@ -95,6 +97,7 @@ STRATEGIES = {
     "ar-fused": dict(strategy="autoregressive", order="left-to-right"),  # Engine(fused_ends=True)
     "burst-fused": dict(strategy="burst", num_orders=5, acceptance="paper"),
     "burst-fused-scoring": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(scoring="fused")
+    "burst-auto-scoring": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(scoring="auto")
     "ar-pdl": dict(strategy="autoregressive", order="left-to-right"),  # kernels.utils.PDL = True
     "burst-pdl": dict(strategy="burst", num_orders=5, acceptance="paper"),
 }
@@ -103,6 +106,7 @@ COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
 FUSED = ("ar-fused", "burst-fused")  # CUDA only (the Triton path), narrow shapes only (GPT-2 is never fused)
 ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-lookahead": dict(lookahead=True),
                   **{s: dict(fused_ends=True) for s in FUSED}, "burst-fused-scoring": dict(scoring="fused"),
+                  "burst-auto-scoring": dict(scoring="auto"),
                   "ar-pdl": {}, "burst-pdl": {}}  # a fresh engine: generate(model) would replay graphs captured before
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
@@ -317,8 +321,8 @@ def test_engine(benchmark, monkeypatch, strategy, shape, batch):
         pytest.skip("compiled steps: small and gpt2 shapes only, bursts at B = 1 only (compile time)")
     if strategy in FUSED and (not CUDA or shape.startswith("gpt2")):
         pytest.skip("the fused sublayer ends run on CUDA's Triton path, in models at most 256 wide")
-    if strategy == "burst-fused-scoring" and not CUDA:
-        pytest.skip("the fused scoring runs on CUDA's Triton path (the CPU engine scores with the reference)")
+    if strategy in ("burst-fused-scoring", "burst-auto-scoring") and not CUDA:
+        pytest.skip("the fused and timed scorings run on CUDA's Triton path (the CPU engine scores with the reference)")
     if strategy.endswith("-pdl"):
         if not (CUDA and torch.cuda.get_device_capability(DEVICE)[0] >= 9):
             pytest.skip("programmatic dependent launch needs a CUDA GPU of compute capability 9 or more")
@@ -370,6 +374,9 @@ def test_engine(benchmark, monkeypatch, strategy, shape, batch):
                     synced_later_iterations_ms_median=statistics.median(per_iter[1:]) if per_iter[1:] else None,
                     # the timed calls' later iterations (unsynced: only the engine's own status reads)
                     later_iterations_ms=(1e3 * wall - per_iter[0]) / (len(per_iter) - 1) if per_iter[1:] else None)
+    if isinstance(target, sigmafast.Engine) and target.scoring == "auto":
+        info.update(scoring_choices=[dict(rows=list(key[0]), chosen=choice, ms=target.scoring_times[key])
+                                     for key, choice in target.scoring_choices.items()])
     benchmark.extra_info.update(info)
 
 

@@ -176,14 +176,15 @@ class NeuralSession:
     non-finite flag."""
 
     def __init__(self, model, batch_size: int, seq_len: int, backend: str, head_align: Optional[int] = None,
-                 fused_ends: bool = False, scoring: Optional[str] = None) -> None:
+                 fused_ends: bool = False, scoring=None) -> None:
         cfg = model.config
         param = next(model.parameters())
         device = param.device
         self.model = model
         self.backend = backend
         self.fused_ends = fused_ends  # the narrow models' one-kernel sublayer ends (opt-in: slower on an H200)
-        self.scoring = scoring  # kernels.acceptance_from_hidden's scoring (None: its default)
+        # kernels.acceptance_from_hidden's scoring (None: its default), or a scoring.MeasuredScoring that times both
+        self.scoring = scoring
         self.cache = KVCache(cfg.n_layer, batch_size, cfg.n_head, seq_len, cfg.head_dim, dtype=param.dtype,
                              device=device)
         self.canvas = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)

@@ -29,6 +29,7 @@ import torch
 from . import kernels, steps
 from .engine import NeuralSession
 from .request import DRAW_DTYPE, BurstDraws, burst_shapes, is_sigma_gpt
+from .scoring import SCORING_CHOICES, MeasuredScoring
 
 __all__ = ["Engine", "EagerRunner", "runner_for"]
 
@@ -156,7 +157,9 @@ class Engine(EagerRunner):
     per autoregressive token, 0.55 against 0.70 ms per burst iteration;
     ``benchmarks/RESULTS.md``). ``scoring`` ("matmul" or "fused"; None: the
     default of ``kernels.acceptance_from_hidden``) chooses how a burst scores
-    its drafts from the verifier's hidden states on the Triton path. Pass the engine to
+    its drafts from the verifier's hidden states on the Triton path; "auto"
+    times both on the GPU at the first run of each burst shape and keeps the
+    faster (:mod:`sigmafast.scoring`; :attr:`scoring_choices`). Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
@@ -188,9 +191,10 @@ class Engine(EagerRunner):
         if not isinstance(fused_ends, bool):
             raise TypeError(f"fused_ends must be a bool, got {type(fused_ends).__name__}")
         self.fused_ends = fused_ends
-        if scoring is not None and scoring not in kernels.checks.SCORINGS:
-            raise ValueError(f"scoring must be None or one of {kernels.checks.SCORINGS}, got {scoring!r}")
+        if scoring is not None and scoring not in SCORING_CHOICES:
+            raise ValueError(f"scoring must be None or one of {SCORING_CHOICES}, got {scoring!r}")
         self.scoring = scoring
+        self._scoring = MeasuredScoring() if scoring == "auto" else scoring  # what the sessions take
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.max_sessions = max_sessions
@@ -215,6 +219,18 @@ class Engine(EagerRunner):
         return tuple((t.data_ptr(), t.dtype) for t in (*self.model.parameters(), *self.model.buffers()))
 
     @property
+    def scoring_choices(self) -> dict:
+        """With ``scoring="auto"``: the scoring chosen for each burst shape timed so far, keyed by (hidden
+        states' (B, O, R, C) shape, dtype, device, temperature, top_k, rule); {} otherwise."""
+        return dict(self._scoring.choices) if isinstance(self._scoring, MeasuredScoring) else {}
+
+    @property
+    def scoring_times(self) -> dict:
+        """With ``scoring="auto"``: the GPU milliseconds measured for each scoring, by the keys of
+        :attr:`scoring_choices`; {} otherwise."""
+        return dict(self._scoring.times) if isinstance(self._scoring, MeasuredScoring) else {}
+
+    @property
     def backend(self) -> str:
         return kernels.backend_for(next(self.model.parameters()))
 
@@ -224,6 +240,8 @@ class Engine(EagerRunner):
             self._sessions.clear()
             self._static.clear()
             self._graphs = _Graphs()
+            if isinstance(self._scoring, MeasuredScoring):
+                self._scoring.clear()
             self._params = self._fingerprint()
         B, T = canvas.shape
         size = batch_bucket(B) if self.buckets else B
@@ -232,7 +250,7 @@ class Engine(EagerRunner):
             session = self._sessions.pop((backend, size, T), None)
             if session is None:
                 session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
-                                        scoring=self.scoring)
+                                        scoring=self._scoring)
             self._sessions[(backend, size, T)] = session  # most recently used last
             if len(self._sessions) > self.max_sessions:  # bounded memory: caches, buffers and graphs
                 oldest = self._sessions.pop(next(iter(self._sessions)))
@@ -240,7 +258,7 @@ class Engine(EagerRunner):
                 self._static = {k: v for k, v in self._static.items() if k[0] != id(oldest)}
         else:
             session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
-                                        scoring=self.scoring)
+                                    scoring=self._scoring)
         m = session.load(canvas, known)
         if m > 0:  # the prompt's prefill: a static-shape step over the bucket of the largest known count
             M = self.r_bucket(m, T)

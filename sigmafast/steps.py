@@ -31,6 +31,7 @@ from . import kernels
 from .engine import Verified, traced
 from .kernels import Acceptance
 from .request import BurstDraws
+from .scoring import MeasuredScoring
 
 MIN_BUCKET = 16
 
@@ -140,11 +141,21 @@ def accept(session, verified: Verified, along: Along, remaining: torch.Tensor, t
     () ``flag``, also set it when a ratio q/p of a step below ``remaining`` is NaN (its verifier row is not
     finite; temperature > 0)."""
     args = (along.tokens, along.logp, along.u_accept, remaining, temperature, top_k, rule)
-    if verified.hidden is not None:
+    if verified.hidden is None:
+        return kernels.acceptance(verified.logits, *args, flag=flag, backend=_backend(session))
+
+    def score(scoring: Optional[str]) -> Acceptance:
         return kernels.acceptance_from_hidden(verified.hidden, session.head_weight, *args, flag=flag,
                                               backend=_backend(session), vocab_size=session.vocab_size,
-                                              scoring=session.scoring)
-    return kernels.acceptance(verified.logits, *args, flag=flag, backend=_backend(session))
+                                              scoring=scoring)
+
+    scoring = session.scoring
+    if isinstance(scoring, MeasuredScoring):  # Engine(scoring="auto"): timed on the Triton path, once per shape
+        hidden = verified.hidden
+        measurable = _backend(session) == "triton" and not traced()
+        key = (tuple(hidden.shape), hidden.dtype, str(hidden.device), float(temperature), top_k, rule)
+        scoring = scoring.choose(score, key, hidden.device) if measurable else None
+    return score(scoring)
 
 
 def verifier_logits(session, verified: Verified, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
