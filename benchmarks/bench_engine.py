@@ -37,7 +37,7 @@ CUDA and float32 on CPU:
   (``kernels/lm_head.py``) in place of the matmul and log q kernel (CUDA only); ``burst-auto-scoring``:
   through ``Engine(scoring="auto")``, which times both at each burst shape's first run and keeps the faster
   (``scoring_choices`` in the report; CUDA only);
-  ``ar-pdl`` and ``burst-pdl``: with ``sigmafast.kernels.utils.PDL`` set, every Triton kernel launched with
+  ``ar-pdl`` and ``burst-pdl``: through ``Engine(pdl=True)``, every Triton kernel launched with
   programmatic dependent launch (sm_90 or later only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
@@ -74,7 +74,6 @@ import torch
 import sigmafast
 from _common import bench_device, bench_full, device_info, synchronize
 from sigmafast import SigmaGPT, SigmaGPTConfig
-from sigmafast.kernels import utils as kernel_utils
 
 DEVICE = bench_device()
 CUDA = DEVICE.type == "cuda"
@@ -98,7 +97,7 @@ STRATEGIES = {
     "burst-fused": dict(strategy="burst", num_orders=5, acceptance="paper"),
     "burst-fused-scoring": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(scoring="fused")
     "burst-auto-scoring": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(scoring="auto")
-    "ar-pdl": dict(strategy="autoregressive", order="left-to-right"),  # kernels.utils.PDL = True
+    "ar-pdl": dict(strategy="autoregressive", order="left-to-right"),  # Engine(pdl=True)
     "burst-pdl": dict(strategy="burst", num_orders=5, acceptance="paper"),
 }
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
@@ -107,7 +106,7 @@ FUSED = ("ar-fused", "burst-fused")  # CUDA only (the Triton path), narrow shape
 ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-lookahead": dict(lookahead=True),
                   **{s: dict(fused_ends=True) for s in FUSED}, "burst-fused-scoring": dict(scoring="fused"),
                   "burst-auto-scoring": dict(scoring="auto"),
-                  "ar-pdl": {}, "burst-pdl": {}}  # a fresh engine: generate(model) would replay graphs captured before
+                  "ar-pdl": dict(pdl=True), "burst-pdl": dict(pdl=True)}
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -313,7 +312,7 @@ def test_first_call(benchmark, tmp_path):
 @pytest.mark.parametrize("strategy,shape,batch", [
     pytest.param(s, m, b, id=f"{s}-{m}-B{b}") for s in STRATEGIES for m in SHAPES for b in BATCHES
 ] + [pytest.param(s, m, 1, id=f"{s}-{m}-B1") for s in ("ar", "burst") for m in ROPE_SHAPES])
-def test_engine(benchmark, monkeypatch, strategy, shape, batch):
+def test_engine(benchmark, strategy, shape, batch):
     _skip_shape(shape)
     if strategy in COMPILED and not CUDA:
         pytest.skip("compiled steps are benchmarked on CUDA only")
@@ -323,10 +322,8 @@ def test_engine(benchmark, monkeypatch, strategy, shape, batch):
         pytest.skip("the fused sublayer ends run on CUDA's Triton path, in models at most 256 wide")
     if strategy in ("burst-fused-scoring", "burst-auto-scoring") and not CUDA:
         pytest.skip("the fused and timed scorings run on CUDA's Triton path (the CPU engine scores with the reference)")
-    if strategy.endswith("-pdl"):
-        if not (CUDA and torch.cuda.get_device_capability(DEVICE)[0] >= 9):
-            pytest.skip("programmatic dependent launch needs a CUDA GPU of compute capability 9 or more")
-        monkeypatch.setattr(kernel_utils, "PDL", True)  # the launches of this case only, captures included
+    if strategy.endswith("-pdl") and not (CUDA and sigmafast.kernels.pdl_supported(torch.device(DEVICE))):
+        pytest.skip("programmatic dependent launch needs a CUDA GPU of compute capability 9 or more")
     model = _model("sigma", shape)
     prompt = _prompt(batch, PROMPT)
     kwargs = {**STRATEGIES[strategy], **SAMPLING}

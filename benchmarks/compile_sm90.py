@@ -11,7 +11,7 @@ launches only compile: Triton's own compiler and the bundled ptxas build each
 kernel variant, and nothing runs. Per variant it prints the registers per
 thread, the local memory (spills), the shared memory and the number of SASS
 instructions (``nvdisasm``), and it exits 1 if a kernel fails to compile.
-``--pdl`` builds the variants that ``kernels.utils.PDL`` launches on sm_90
+``--pdl`` builds the variants that ``kernels.use_pdl(True)`` launches on sm_90
 (programmatic dependent launch: ``USE_GDC`` and Triton's ``launch_pdl``); the
 ``gdc`` column says whether a variant's PTX waits for the kernel before it.
 
@@ -79,7 +79,7 @@ def _resources(kernel) -> dict:
 
 
 def _pdl_on(device) -> dict:
-    return dict(USE_GDC=True, launch_pdl=True)  # what utils.pdl_meta gives an sm_90 GPU when utils.PDL is set
+    return dict(USE_GDC=True, launch_pdl=True)  # utils.pdl_meta of an sm_90 GPU inside use_pdl(True)
 
 
 def _cases(dtype: torch.dtype):
@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows and errors here")
     parser.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated: bf16, fp16, fp32")
     parser.add_argument("--cases", default="", help="only the cases whose name matches this regular expression")
-    parser.add_argument("--pdl", action="store_true", help="the variants launched with kernels.utils.PDL set")
+    parser.add_argument("--pdl", action="store_true", help="the variants launched inside kernels.use_pdl(True)")
     args = parser.parse_args()
     names = [n for n in args.dtypes.split(",") if n]
     bad = [n for n in names if n not in DTYPES]

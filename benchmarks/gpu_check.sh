@@ -13,7 +13,7 @@
 # "topk" runs the top-k tests compiled (also in "fused"), "sweep" times the vocabulary kernels' tilings,
 # "small" times the levers of the small burst target: both scorings from hidden states and the small model's
 # attention at forced KV splits (kernels), burst small and gpt2 with both scorings, the timed one (auto) and
-# programmatic dependent launch (kernels.utils.PDL: ar-pdl, burst-pdl), a small profile.
+# programmatic dependent launch (Engine(pdl=True): ar-pdl, burst-pdl), a small profile.
 # pytest-benchmark writes its JSON only when a session ends, but cases.jsonl (SIGMAFAST_BENCH_LOG) gets
 # each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
 # module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
@@ -62,7 +62,7 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
         ${BENCH[*]} --benchmark-json=$LOGS/small.json -k 'test_acceptance_from_hidden or test_small_model_attention' \
         ; python -m pytest benchmarks/bench_engine.py ${BENCH[*]} --benchmark-json=$LOGS/small_engine.json \
             -k 'test_engine and B1 and not rope and (burst-small or burst-gpt2 or -scoring- or -pdl-)' \
-        ; python benchmarks/profile_steps.py --shape small --batch 1 --scoring fused \
+        ; python benchmarks/profile_steps.py --shape small --batch 1 --scoring auto \
         ; python benchmarks/profile_steps.py --shape small --batch 1 --pdl" ;;
     sweep) run sweep "${GPU_SWEEP_LIMIT:-100}" python benchmarks/sweep_vocab.py --json "$LOGS/sweep.json" ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \

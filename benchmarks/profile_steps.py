@@ -168,10 +168,11 @@ def main() -> None:
     parser.add_argument("--by-line", action="store_true", help="--count-ops: group the ops by source line")
     parser.add_argument("--fused-ends", action="store_true",
                         help="Engine(fused_ends=True): one-kernel sublayer ends in models at most 256 wide")
-    parser.add_argument("--scoring", choices=["matmul", "fused"],
-                        help="Engine(scoring=...): how a burst scores its drafts (default: the engine's)")
+    parser.add_argument("--scoring", choices=["matmul", "fused", "auto"],
+                        help="Engine(scoring=...): how a burst scores its drafts (default: the engine's; auto: "
+                             "timed at the first run, the choice printed)")
     parser.add_argument("--pdl", action="store_true",
-                        help="kernels.utils.PDL: Triton kernels with programmatic dependent launch (sm_90 or later)")
+                        help="Engine(pdl=True): Triton kernels with programmatic dependent launch (sm_90 or later)")
     args = parser.parse_args()
     for name, low in (("batch", 1), ("remaining", 1), ("orders", 1), ("vocab", 2), ("block_size", 1), ("top_k", 1)):
         value = getattr(args, name)
@@ -185,10 +186,7 @@ def main() -> None:
 
     import sigmafast
     from sigmafast import steps
-    from sigmafast.kernels import utils as kernel_utils
     from sigmafast.request import draw, draw_burst
-
-    kernel_utils.PDL = args.pdl
 
     if args.shape not in sigmafast.PRESETS:
         parser.error(f"--shape must be one of {sorted(sigmafast.PRESETS)}")
@@ -203,7 +201,7 @@ def main() -> None:
     config = sigmafast.SigmaGPTConfig.from_preset(args.shape, vocab_size=vocab, **overrides)
     model = sigmafast.SigmaGPT(config).to(device=device, dtype=dtype).eval()
     engine = sigmafast.Engine(model, buckets=True, cuda_graphs=False, fused_ends=args.fused_ends,
-                              scoring=args.scoring)
+                              scoring=args.scoring, pdl=args.pdl)
     B, T = args.batch, config.block_size
     left = min(args.remaining or (40 if small else 256), T)
     R = steps.bucket(left, T)
@@ -237,6 +235,8 @@ def main() -> None:
         d = draw_burst(g, session.batch_size, orders, T, device)
         for _ in range(2):  # warm: kernels compiled
             engine.burst(session, d, R, args.temperature, args.top_k, args.rule)
+        for key, choice in engine.scoring_choices.items():
+            print(f"scoring=auto: {choice} for hidden states {key[0]}, ms {engine.scoring_times[key]}")
         session = engine.start(canvas, known)
         sampling = f"T={args.temperature}" + (f" top-k={args.top_k}" if args.top_k else "")
         measured(f"burst iteration {args.shape} {args.rule} B={B} R={R} O={orders} {sampling}",

@@ -79,6 +79,34 @@ def use_backend(name: str) -> Iterator[None]:
         _override.reset(token)
 
 
+_pdl: contextvars.ContextVar[bool] = contextvars.ContextVar("sigmafast_pdl", default=False)
+
+
+@contextlib.contextmanager
+def use_pdl(on: bool = True) -> Iterator[None]:
+    """Launch the enclosed Triton kernels with programmatic dependent launch (``on``) or plainly, on the GPUs
+    that have it (:func:`pdl_supported`; ``utils.pdl_meta``): each kernel may then start while the one before
+    it ends, and waits for it before touching memory. ``Engine(pdl=True)`` runs its steps inside it, so its
+    captured graphs keep those launches."""
+    if not isinstance(on, bool):
+        raise TypeError(f"use_pdl(on) takes a bool, got {type(on).__name__}")
+    token = _pdl.set(on)
+    try:
+        yield
+    finally:
+        _pdl.reset(token)
+
+
+def pdl_enabled() -> bool:
+    """Whether the kernels launched now ask for programmatic dependent launch (:func:`use_pdl`)."""
+    return _pdl.get()
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether ``device`` has programmatic dependent launch: a CUDA GPU of compute capability 9 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def backend_for(t: torch.Tensor) -> str:
     """The backend ("triton" or "reference") a call on tensor ``t`` takes now."""
     name = _override.get()
@@ -357,11 +385,14 @@ __all__ = [
     "gather_drafts",
     "linear_add_norm",
     "mlp_add_norm",
+    "pdl_enabled",
+    "pdl_supported",
     "plan_step",
     "residual_pick",
     "residual_sample",
     "rotary_",
     "sample",
     "use_backend",
+    "use_pdl",
     "verify_attention",
 ]

@@ -13,7 +13,8 @@ compiler sees a multiple of 16. Innermost strides are 1 and not passed.
 Small per-row vectors (uniforms, drafts, thresholds, cache lengths), often
 views at any offset, are in ``do_not_specialize_on_alignment``; the large
 operands keep Triton's 16-byte pointer-alignment specialisation. Every kernel
-also takes ``USE_GDC`` (``pdl_meta``), fixed per device, so it adds no variant.
+also takes ``USE_GDC`` (``pdl_meta``): off except in ``Engine(pdl=True)``'s steps on sm_90 or later, so a
+process that samples without programmatic dependent launch compiles no variant for it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from typing import Callable, Optional
 import torch
 import triton
 import triton.language as tl
+
+from . import pdl_enabled
+
 
 def rows_per_program(block_v: int, budget: int = 4096) -> int:
     """Rows per program so that a (rows, BLOCK_V) chunk holds about ``budget`` elements."""
@@ -69,17 +73,14 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-PDL = False  # programmatic dependent launch on sm_90 and later (``pdl_meta``); off until a card measures it
-
-
 def pdl_meta(device: torch.device) -> dict:
     """The launch meta-parameters of every kernel: ``USE_GDC`` (``gdc_enter``) and, with it, Triton's
-    ``launch_pdl`` option, on when :data:`PDL` is set and ``device`` is a CUDA GPU of compute capability 9 or
-    more (Hopper's programmatic dependent launch: in a stream or a replayed CUDA graph, a kernel's launch and
-    its programs' start overlap the end of the kernel before it, which otherwise costs a launch gap at each of
-    the 40 to 230 kernels of a captured step). Off in the CPU interpreter, so its variants are those of a
-    plain launch. Set it before an engine captures its steps: a replayed graph keeps the launches it recorded."""
-    if PDL and device.type == "cuda" and cuda_props(device).major >= 9:
+    ``launch_pdl`` option, on inside ``kernels.use_pdl(True)`` (``Engine(pdl=True)``'s steps) when ``device``
+    is a CUDA GPU of compute capability 9 or more (Hopper's programmatic dependent launch: in a stream or a
+    replayed CUDA graph, a kernel's launch and its programs' start overlap the end of the kernel before it,
+    which otherwise costs a launch gap at each of the 40 to 230 kernels of a captured step). Off in the CPU
+    interpreter, so its variants are those of a plain launch."""
+    if pdl_enabled() and device.type == "cuda" and cuda_props(device).major >= 9:
         return dict(USE_GDC=True, launch_pdl=True)
     return dict(USE_GDC=False)
 

@@ -159,7 +159,9 @@ class Engine(EagerRunner):
     default of ``kernels.acceptance_from_hidden``) chooses how a burst scores
     its drafts from the verifier's hidden states on the Triton path; "auto"
     times both on the GPU at the first run of each burst shape and keeps the
-    faster (:mod:`sigmafast.scoring`; :attr:`scoring_choices`). Pass the engine to
+    faster (:mod:`sigmafast.scoring`; :attr:`scoring_choices`). ``pdl=True``
+    (opt-in; Hopper or later) launches the steps' Triton kernels with
+    programmatic dependent launch (``kernels.use_pdl``), captures included. Pass the engine to
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
@@ -168,7 +170,7 @@ class Engine(EagerRunner):
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
                  compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = False,
-                 fused_ends: bool = False, scoring: Optional[str] = None) -> None:
+                 fused_ends: bool = False, scoring: Optional[str] = None, pdl: bool = False) -> None:
         _check_model(model)
         for name, flag in (("buckets", buckets), ("cuda_graphs", cuda_graphs)):
             if flag is not None and not isinstance(flag, bool):
@@ -195,6 +197,11 @@ class Engine(EagerRunner):
             raise ValueError(f"scoring must be None or one of {SCORING_CHOICES}, got {scoring!r}")
         self.scoring = scoring
         self._scoring = MeasuredScoring() if scoring == "auto" else scoring  # what the sessions take
+        if not isinstance(pdl, bool):
+            raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+        if pdl and not kernels.pdl_supported(next(model.parameters()).device):
+            raise ValueError("pdl=True needs a model on a CUDA GPU of compute capability 9 or more (Hopper)")
+        self.pdl = pdl
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.max_sessions = max_sessions
@@ -236,6 +243,18 @@ class Engine(EagerRunner):
 
     def start(self, canvas: torch.Tensor, known: torch.Tensor) -> NeuralSession:
         """Prefill a session of the (bucketed) batch size with ``canvas`` and ``known`` (B, T)."""
+        with kernels.use_pdl(self.pdl):
+            return self._start(canvas, known)
+
+    def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
+        with kernels.use_pdl(self.pdl):
+            return self._burst(session, d, R, temperature, top_k, rule)
+
+    def ar(self, session, plan: steps.ARPlan, temperature, top_k) -> None:
+        with kernels.use_pdl(self.pdl):
+            self._ar(session, plan, temperature, top_k)
+
+    def _start(self, canvas: torch.Tensor, known: torch.Tensor) -> NeuralSession:
         if self._fingerprint() != self._params:  # moved or replaced weights: captured graphs are stale
             self._sessions.clear()
             self._static.clear()
@@ -293,7 +312,7 @@ class Engine(EagerRunner):
             buffers = self._static[key] = BurstDraws(*zeros)  # padding rows stay 0
         return buffers
 
-    def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
+    def _burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
         if not self.cuda_graphs:
             return self._burst_step(session, d, R, temperature, top_k, rule)
         d = self.static(session, f"burst{d.keys.shape[1]}", d)
@@ -301,7 +320,7 @@ class Engine(EagerRunner):
         out = self._graphs.run(key, lambda: self._burst_step(session, d, R, temperature, top_k, rule))
         return torch.cat(out).split([t.shape[0] for t in out])  # one copy out of the graph's outputs
 
-    def ar(self, session, plan: steps.ARPlan, temperature, top_k) -> None:
+    def _ar(self, session, plan: steps.ARPlan, temperature, top_k) -> None:
         if not self.cuda_graphs:
             self._ar_step(session, plan, temperature, top_k)
             return

@@ -73,7 +73,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path_factory):
 
 
 def test_programmatic_dependent_launch_variants_compile_and_wait(tmp_path_factory):
-    """The variants launched with ``kernels.utils.PDL``: a kernel may start before the previous one ends, so
+    """The variants launched inside ``kernels.use_pdl(True)``: a kernel may start before the previous one ends, so
     every one must wait for it (``utils.gdc_enter``, PTX ``griddepcontrol.wait``) before it reads or writes;
     they compile for sm_90 without spills too."""
     problems = _problems(_compile_report(tmp_path_factory, "--dtypes", "bf16", "--pdl"), ("bf16",), gdc=True)
