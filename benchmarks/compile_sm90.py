@@ -121,6 +121,12 @@ def _cases(dtype: torch.dtype):
         yield f"fused LM head log q V={Vs}", lambda a=(h, w[:Vs], ds, 1.0, *ratio): lm_head.lm_head_logq(*a)
     yield "draft argmax (greedy acceptance)", lambda: accept.draft_logq(x, d, 0.0)
     yield "top-k threshold (chunk-max prefilter)", lambda: topk.kth_largest(x, 50)
+    for T, k in ((1.0, None), (0.8, 50)):  # the streaming loops pipelined by Triton (vocab.STREAM_STAGES = 3)
+        yield f"sample T={T} top-k={k}, pipelined", lambda T=T, k=k: _pipelined(
+            lambda: sampling.launch(x, None, u, T, k))
+        yield f"residual sample T={T} top-k={k}, pipelined", lambda T=T, k=k: _pipelined(
+            lambda: sampling.launch(x, p, u, T, k))
+    yield "top-k threshold (chunk-max prefilter), pipelined", lambda: _pipelined(lambda: topk.kth_largest(x, 50))
     yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)
     yield "top-k log q from the candidates", lambda: accept.topk_logq(x, d, 0.8, 50, draft_logp=ratio[0],
                                                                       log_ratio=ratio[1])
@@ -195,6 +201,17 @@ def _cases(dtype: torch.dtype):
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
         yield f"feed embedding + LayerNorm C={C}", lambda f=feed, t=(wte, pe, w, b): embed.launch(
             *f, t[0], t[1], t[1], t[2], t[3], 1e-5)
+
+
+def _pipelined(launch, stages: int = 3) -> None:
+    """``launch()`` with the streaming kernels' loops pipelined (``vocab.STREAM_STAGES``)."""
+    from sigmafast.kernels import vocab
+
+    default, vocab.STREAM_STAGES = vocab.STREAM_STAGES, stages
+    try:
+        launch()
+    finally:
+        vocab.STREAM_STAGES = default
 
 
 def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None:

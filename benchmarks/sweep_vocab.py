@@ -1,16 +1,18 @@
 """Sweep the split-V streaming tiles of the vocabulary kernels on a GPU.
 
-    python benchmarks/sweep_vocab.py [--rows 1280] [--layouts] [--chunks 2048,4096] [--tiles 4096,8192]
-        [--warps 2,4] [--json FILE]
+    python benchmarks/sweep_vocab.py [--rows 1280] [--layouts] [--chunks 2048] [--tiles 4096,8192]
+        [--warps 2,4] [--stages 1,3] [--json FILE]
 
 ``kernels/vocab.py`` fixes the tiling of the streaming kernels (chunk statistics, residual masses) with
-module constants: ``CHUNK`` (columns per tile), ``TILE`` (elements per tile), ``STREAM_WARPS`` and
-``PERSISTENT`` (one wave of looping programs, or one program per tile). This script times the three ops
-that stream GPT-2's 50257-wide bf16 rows (log q of drafts for the acceptance, the sample, the residual
-sample) under each combination, replayed as CUDA graphs with L2 flushed by reading (as
-``bench_kernels.py``), and prints the share of copy bandwidth per op, best first. Each combination's kernels
-compile once, outside the timings. The defaults are the constants' values when the script starts; a
-combination that fails to compile or run is reported and skipped.
+module constants: ``CHUNK`` (columns per tile), ``TILE`` (elements per tile), ``STREAM_WARPS``,
+``STREAM_STAGES`` (the chunk statistics' and top-k chunk maxima's loops: 1, a register prefetch of the next
+tile; more, Triton's pipelining through shared memory) and ``PERSISTENT`` (one wave of looping programs, or
+one program per tile). This script times the four ops that stream GPT-2's 50257-wide bf16 rows (log q of
+drafts for the acceptance, without and with top-k 50, the sample, the residual sample) under each
+combination, replayed as CUDA graphs with L2 flushed by reading (as ``bench_kernels.py``), and prints the
+share of copy bandwidth per op, best first. Each combination's kernels compile once, outside the timings.
+The defaults are the constants' values when the script starts; a combination that fails to compile or run is
+reported and skipped.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _ops(rows: int, dtype: torch.dtype):
     nbytes = q.numel() * q.element_size()
     return [
         ("draft_logq", lambda: accept.draft_logq(q, drafts, 1.0), nbytes),
+        ("draft_logq_top50", lambda: accept.draft_logq(q, drafts, 1.0, 50), nbytes),
         ("sample", lambda: sampling.sample(q, u, 1.0, None), nbytes),
         ("residual_sample", lambda: sampling.residual_sample(q, p, u, 1.0, None), 2 * nbytes),
     ]
@@ -57,27 +60,42 @@ def _ints(parser: argparse.ArgumentParser, flag: str, text: str) -> list:
     return values
 
 
+def _stages(parser: argparse.ArgumentParser, text: str) -> list:
+    """Comma-separated ints >= 1 for ``--stages``, or a parser error."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        parser.error(f"--stages takes comma-separated ints >= 1, got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1280, help="logit rows (1280: B=4, 5 orders, R=64)")
     parser.add_argument("--layouts", action="store_true", help="also one program per tile (PERSISTENT False)")
-    parser.add_argument("--chunks", default="2048,4096", help="CHUNK values, comma-separated")
+    parser.add_argument("--chunks", default="2048", help="CHUNK values, comma-separated (at the fifth lend 4096 "
+                        "sped up log q alone and made the residual's token search spill)")
     parser.add_argument("--tiles", default="4096,8192", help="TILE values, comma-separated")
     parser.add_argument("--warps", default="2,4", help="STREAM_WARPS values, comma-separated (the fifth lend "
                         "swept CHUNK 1024-4096, TILE 8192-16384 and 4 or 8 warps: 4 won, 8 lost everywhere; fewer "
                         "warps share a tile's row reductions among fewer warps; 1 warp takes 255 registers on sm_90)")
+    parser.add_argument("--stages", default="1,3", help="STREAM_STAGES values, comma-separated (ints >= 1)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     chunks, tiles, warps = (_ints(parser, f, t) for f, t in (("--chunks", args.chunks), ("--tiles", args.tiles),
                                                               ("--warps", args.warps)))
+    stages = _stages(parser, args.stages)
     if not torch.cuda.is_available():
         raise SystemExit("sweep_vocab.py needs a CUDA device")
     from sigmafast.kernels import vocab
 
-    default = dict(CHUNK=vocab.CHUNK, TILE=vocab.TILE, STREAM_WARPS=vocab.STREAM_WARPS, PERSISTENT=vocab.PERSISTENT)
+    default = dict(CHUNK=vocab.CHUNK, TILE=vocab.TILE, STREAM_WARPS=vocab.STREAM_WARPS,
+                   STREAM_STAGES=vocab.STREAM_STAGES, PERSISTENT=vocab.PERSISTENT)
     copy_gbps = copy_bandwidth_gbps()
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s; defaults {default}", flush=True)
-    grid = dict(CHUNK=chunks, TILE=tiles, STREAM_WARPS=warps,
+    grid = dict(CHUNK=chunks, TILE=tiles, STREAM_WARPS=warps, STREAM_STAGES=stages,
                 PERSISTENT=[True, False] if args.layouts else [default["PERSISTENT"]])
     ops = _ops(args.rows, torch.bfloat16)
     rows = []
@@ -107,7 +125,7 @@ def main() -> None:
         base = next((r for r in done if all(r[k] == v for k, v in default.items())), None)
         for r in done[:3]:
             print(f"  {op:16s} {r['share']:6.1%}  CHUNK={r['CHUNK']} TILE={r['TILE']} "
-                  f"STREAM_WARPS={r['STREAM_WARPS']} PERSISTENT={r['PERSISTENT']}")
+                  f"STREAM_WARPS={r['STREAM_WARPS']} STREAM_STAGES={r['STREAM_STAGES']} PERSISTENT={r['PERSISTENT']}")
         if base:
             print(f"  {op:16s} {base['share']:6.1%}  (defaults)")
     if args.json:

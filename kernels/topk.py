@@ -81,7 +81,7 @@ import triton.language as tl
 from . import reference
 from .utils import gdc_enter, pdl_meta
 from .vocab import (aligned_rows, in_rows, is_interior, row_window, split_config, stream_grid, stream_load,
-                    stream_tile, window_masks)
+                    stream_stages, stream_tile, window_masks)
 
 BINS = tl.constexpr(256)
 DIGIT_BITS = tl.constexpr(8)
@@ -134,30 +134,43 @@ def bisect_keys(b_key, k, ROWS: tl.constexpr, BITS: tl.constexpr):
     return prefix
 
 
+@triton.jit
+def _chunk_max_tile(b_raw, t, CMAX, s_x, N, N_X, V, NC, NT, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
+                    ALIGN: tl.constexpr):
+    """One tile of ``_chunk_max_kernel`` from its raw logits."""
+    o_n64, m_n, p, o_b, _, r_shift, _, interior, _ = stream_tile(t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK,
+                                                                 N_X, N_X)
+    o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
+    b_key = order_key32(b_raw.to(tl.float32))
+    if not interior:
+        b_key = tl.where(in_rows(o_b, r_shift, V), b_key, 0)
+    tl.store(CMAX + o_n64 * NC + o_c, tl.max(b_key, 1).to(tl.int32, bitcast=True), mask=m_n & (o_c < NC))
+
+
 @triton.jit(do_not_specialize=["s_x", "N", "N_X", "V", "NC", "NT", "n_tiles"])
 def _chunk_max_kernel(
     X, Y, CMAX, s_x, N, N_X, V, NC, NT, n_tiles,
-    BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr,
+    STAGES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N, NC) int32 bits of the max key of each CHUNK-column window chunk (0 where it holds no column) of the
     N_X rows of X, then the N - N_X rows of Y. The (row, window tile of BLOCK_V columns) tiles are streamed as
-    in ``vocab._chunk_stats_kernel``: each program loads its next tile before it reduces the current one."""
+    in ``vocab._chunk_stats_kernel`` (``STAGES``: its loop pipelining), one row per row block."""
     gdc_enter(USE_GDC)
     s_x = s_x * STRIDE_UNIT
-    t = tl.program_id(0)
-    step = tl.num_programs(0)
-    b_raw = stream_load(X, t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK, Y, N_X, N_X)  # one row per row block
-    for _ in range(t, n_tiles, step):
-        b_next = stream_load(X, t + step, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK, Y, N_X, N_X)
-        o_n64, m_n, p, o_b, _, r_shift, _, interior, _ = stream_tile(t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK,
-                                                                     N_X, N_X)
-        o_c = p * (BLOCK_V // CHUNK) + tl.arange(0, BLOCK_V // CHUNK)  # (BLOCK_V // CHUNK,) chunk indices
-        b_key = order_key32(b_raw.to(tl.float32))
-        if not interior:
-            b_key = tl.where(in_rows(o_b, r_shift, V), b_key, 0)
-        tl.store(CMAX + o_n64 * NC + o_c, tl.max(b_key, 1).to(tl.int32, bitcast=True), mask=m_n & (o_c < NC))
-        b_raw = b_next
-        t += step
+    if STAGES > 1:
+        for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            b_raw = stream_load(X, t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK, Y, N_X, N_X, True)
+            _chunk_max_tile(b_raw, t, CMAX, s_x, N, N_X, V, NC, NT, BLOCK_V, CHUNK, ALIGN)
+    else:
+        t = tl.program_id(0)
+        step = tl.num_programs(0)
+        b_raw = stream_load(X, t, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK, Y, N_X, N_X)
+        for _ in range(t, n_tiles, step):
+            b_next = stream_load(X, t + step, N, N, NT, s_x, V, 1, BLOCK_V, ALIGN, CHUNK, Y, N_X, N_X)
+            _chunk_max_tile(b_raw, t, CMAX, s_x, N, N_X, V, NC, NT, BLOCK_V, CHUNK, ALIGN)
+            b_raw = b_next
+            t += step
 
 
 @triton.jit(do_not_specialize=["N", "NC", "top_k"])
@@ -372,7 +385,7 @@ def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP,
     cmax = torch.empty(N, nc, dtype=torch.int32, device=logits.device)
     t0 = torch.empty(N, dtype=torch.int32, device=logits.device)
     args = (x, y, cmax, s_x, N, N_X, V, nc, cfg.nc, N * cfg.nc)
-    meta = dict(BLOCK_V=cfg.block_v, CHUNK=chunk, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align,
+    meta = dict(BLOCK_V=cfg.block_v, CHUNK=chunk, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, STAGES=stream_stages(),
                 num_warps=max(1, min(4, cfg.block_v // 1024)), **pdl_meta(logits.device))
     _chunk_max_kernel[stream_grid(_chunk_max_kernel, N * cfg.nc, args, meta, logits.device)](*args, **meta)
     nc_pad = triton.next_power_of_2(nc)

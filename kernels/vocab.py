@@ -63,6 +63,7 @@ TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) t
 MAX_ROWS = 256
 PERSISTENT = True  # streaming kernels: one wave of looping programs (False: one program per tile)
 STREAM_WARPS = 4  # warps of the kernels that stream every chunk (see split_config)
+STREAM_STAGES = 1  # > 1: the streaming loops' loads pipelined by Triton, STREAM_STAGES - 1 tiles in flight
 MIN_NC_PAD = 8  # Triton 3.6 fails to lower the token search's cumsum over a (BLOCK_N, 2 or 4) tile with 8 warps
 
 
@@ -205,17 +206,19 @@ def stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.const
 
 @triton.jit
 def stream_load(ptr, t, n_rb, N, NC, s_x, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
-                CHUNK: tl.constexpr, ptr_y=None, n_rb_x=None, N_X=None):
+                CHUNK: tl.constexpr, ptr_y=None, n_rb_x=None, N_X=None, ONE_MASK: tl.constexpr = False):
     """The raw logits of ``stream_tile`` t of the rows at ``ptr`` (a pair's: its rows at ``ptr``, then those
     at ``ptr_y``, of the same row stride), unconverted. Lanes of masked rows, and of an edge tile outside the
     rows' windows, are undefined: ``in_rows`` masks the columns and the kernels store masked rows' results
-    nowhere."""
+    nowhere. ``ONE_MASK``: every tile with the edge tiles' mask (one load instead of a branch between two)."""
     _, m_n, _, o_b, o_base, _, end, interior, second = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
                                                                    CHUNK, n_rb_x, N_X)
     if ptr_y is not None:
         ptr = tl.where(second, ptr_y, ptr)  # uniform over the tile: its loads stay 16-byte vectors
     p_x = ptr + o_base[:, None] + o_b
-    if interior:
+    if ONE_MASK:  # one load, no branch: what Triton's loop pipelining takes
+        b_raw = tl.load(p_x, mask=m_n[:, None] & (o_b < end[:, None]))
+    elif interior:
         b_raw = tl.load(p_x, mask=tl.broadcast_to(m_n[:, None], p_x.shape))
     else:
         b_raw = tl.load(p_x, mask=m_n[:, None] & (o_b < end[:, None]))
@@ -239,38 +242,54 @@ def stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK: tl
     return processed(b_x, kth, temperature, HAS_TOPK)
 
 
+@triton.jit
+def _chunk_stats_tile(b_raw, t, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, temperature,
+                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, ALIGN: tl.constexpr):
+    """One tile of ``_chunk_stats_kernel`` from its raw logits: the rows' chunk max and sum of exponentials."""
+    o_n64, m_n, c, o_b, _, shift, _, interior, second = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V,
+                                                                    ALIGN, BLOCK_V, n_rb_x, N_X)
+    kth = tl.zeros([BLOCK_N, 1], tl.float32)
+    if HAS_TOPK:
+        p_k = tl.where(second, KY - N_X, KX) + o_n64
+        kth = tl.load(p_k, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    b_x = stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
+    b_m = tl.max(b_x, 1)  # (BLOCK_N,)
+    m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_s = tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
+    o_p = o_n64 * NC + c
+    tl.store(M + o_p, b_m, mask=m_n)
+    tl.store(S + o_p, b_s, mask=m_n)
+
+
 @triton.jit(do_not_specialize=["s_x", "N", "N_X", "NC", "n_rb", "n_rb_x", "n_tiles"],
             do_not_specialize_on_alignment=["KX", "KY"])
 def _chunk_stats_kernel(
     X, Y, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
+    ALIGN: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N, NC) chunk max M and sum of exp(x - M) S of the processed logits: the N_X rows of X (top-k
     thresholds KX), in its first n_rb_x row blocks, then the N - N_X rows of Y (KY). Each program strides over
-    the (row block, chunk) tiles and loads tile i + 1 before it reduces tile i (see ``stream_grid``)."""
+    the (row block, chunk) tiles: with ``STAGES`` > 1 Triton pipelines the loads (``STAGES - 1`` tiles in
+    flight through shared memory), else it loads tile i + 1 into registers before it reduces tile i (see
+    ``stream_grid``)."""
     gdc_enter(USE_GDC)
     s_x = s_x * STRIDE_UNIT  # see utils for STRIDE_UNIT
-    t = tl.program_id(0)
-    step = tl.num_programs(0)
-    b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V, Y, n_rb_x, N_X)
-    for _ in range(t, n_tiles, step):
-        b_next = stream_load(X, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V, Y, n_rb_x, N_X)
-        o_n64, m_n, c, o_b, _, shift, _, interior, second = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V,
-                                                                        ALIGN, BLOCK_V, n_rb_x, N_X)
-        kth = tl.zeros([BLOCK_N, 1], tl.float32)
-        if HAS_TOPK:
-            p_k = tl.where(second, KY - N_X, KX) + o_n64
-            kth = tl.load(p_k, mask=m_n, other=0.0).to(tl.float32)[:, None]
-        b_x = stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
-        b_m = tl.max(b_x, 1)  # (BLOCK_N,)
-        m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
-        b_s = tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
-        o_p = o_n64 * NC + c
-        tl.store(M + o_p, b_m, mask=m_n)
-        tl.store(S + o_p, b_s, mask=m_n)
-        b_raw = b_next
-        t += step
+    if STAGES > 1:
+        for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V, Y, n_rb_x, N_X, True)
+            _chunk_stats_tile(b_raw, t, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, temperature,
+                              BLOCK_N, BLOCK_V, HAS_TOPK, ALIGN)
+    else:
+        t = tl.program_id(0)
+        step = tl.num_programs(0)
+        b_raw = stream_load(X, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V, Y, n_rb_x, N_X)
+        for _ in range(t, n_tiles, step):
+            b_next = stream_load(X, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V, Y, n_rb_x, N_X)
+            _chunk_stats_tile(b_raw, t, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, temperature,
+                              BLOCK_N, BLOCK_V, HAS_TOPK, ALIGN)
+            b_raw = b_next
+            t += step
 
 
 @triton.jit
@@ -350,6 +369,11 @@ def residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, interior, kq, kp, ls
     return b_q, b_p
 
 
+def stream_stages() -> int:
+    """The ``STAGES`` of the streaming kernels' loops (``STREAM_STAGES``, read at launch)."""
+    return STREAM_STAGES
+
+
 def stream_grid(kernel, n_tiles: int, args: tuple, meta: dict, device: torch.device) -> tuple:
     """Grid of a streaming kernel over n_tiles tiles: one wave of as many programs as the SMs hold
     (``utils.resident_programs``), each looping over its share of the tiles, or one program per tile when
@@ -374,7 +398,7 @@ def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int, m
     args = (logits, logits if more is None else more, k_x, k_x if more_kth is None else more_kth, m, s,
             stride_units, N, N_X, V, cfg.nc, n_rb, n_rb_x, n_rb * cfg.nc, float(temperature))
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
-                ALIGN=cfg.align, num_warps=cfg.stream_warps, **pdl_meta(logits.device))
+                ALIGN=cfg.align, STAGES=stream_stages(), num_warps=cfg.stream_warps, **pdl_meta(logits.device))
     _chunk_stats_kernel[stream_grid(_chunk_stats_kernel, n_rb * cfg.nc, args, meta, logits.device)](*args, **meta)
     return m, s
 

@@ -218,12 +218,17 @@ def test_low_precision_odd_strides(dtype, poisoned_empty):
         assert torch.equal(draft_logq(x, drafts, 0.0, None, 16), xf.argmax(-1))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[1])
-@pytest.mark.parametrize("T, k", [(1.0, None), (0.7, 5)], ids=["T1", "T0.7-topk5"])
-def test_persistent_stream_matches_one_program_per_tile(dtype, T, k, monkeypatch, poisoned_empty):
+@pytest.mark.parametrize("dtype, T, k, stages", [
+    pytest.param(dtype, T, k, stages, id=f"{name}-{sampling}-{str(dtype).split('.')[1]}")
+    for name, stages, cases in (("prefetch", 1, ((torch.float32, 1.0, None), (torch.bfloat16, 1.0, None),
+                                                 (torch.float32, 0.7, 5), (torch.bfloat16, 0.7, 5))),
+                                ("pipelined", 3, ((torch.float32, 1.0, None), (torch.bfloat16, 0.7, 5))))
+    for dtype, T, k in cases for sampling in ["T1" if k is None else "T0.7-topk5"]])
+def test_persistent_stream_matches_one_program_per_tile(dtype, T, k, stages, monkeypatch, poisoned_empty):
     """The streaming kernels' persistent programs (each looping over its tiles, the next one's loads issued
-    before the current one is reduced) write bit-identically what one program per tile writes: every tile,
-    the ragged last row block and the edge chunks included, with more tiles than programs (one per SM)."""
+    before the current one is reduced, or with ``STREAM_STAGES`` > 1 a loop that Triton pipelines) write
+    bit-identically what one program per tile writes: every tile, the ragged last row block and the edge
+    chunks included, with more tiles than programs (one per SM); the top-k prefilter's chunk maxima too."""
     from sigmafast.kernels import topk, vocab
 
     monkeypatch.setattr(vocab, "resident_programs", lambda *args: 1)
@@ -237,21 +242,28 @@ def test_persistent_stream_matches_one_program_per_tile(dtype, T, k, monkeypatch
     cfg = vocab.split_config(V, dtype, 64)
     kq, kp = (topk.threshold(x, k, 64) for x in (q, p))
 
-    def run(persistent: bool) -> list:
+    pre = topk.prefilter_config(V, dtype, 5, 256, 16)  # 63 chunks of 16 in 4 window tiles of 256 per row
+
+    def run(persistent: bool, stages: int) -> list:
         monkeypatch.setattr(vocab, "PERSISTENT", persistent)
+        monkeypatch.setattr(vocab, "STREAM_STAGES", stages)
         s_x = q.stride(0) // cfg.unit
         mq, sq = vocab.chunk_stats(q, kq, T, cfg, s_x)
         mp, sp = vocab.chunk_stats(p, kp, T, cfg, s_x)
         m, s = vocab.chunk_stats(q, kq, T, cfg, s_x, p, kp)  # both in one launch, p's rows after q's
-        return [mq, sq, mp, sp, m, s, *vocab.residual_masses(q, p, kq, kp, mq, sq, mp, sp, T, cfg, s_x)]
+        kth, cand, count = topk.prefilter(q[:24], 5, pre, more=p[:24])  # 192 tiles: few rows, interpreted
+        return [mq, sq, mp, sp, m, s, *vocab.residual_masses(q, p, kq, kp, mq, sq, mp, sp, T, cfg, s_x),
+                kth, cand.sort(1).values, count]
 
     n_tiles = triton.cdiv(N, cfg.block_n) * cfg.nc
     assert vocab.stream_grid(None, n_tiles, (), {}, q.device)[0] < n_tiles, "every program must loop"
+    assert vocab.stream_grid(None, 48 * pre[0].nc, (), {}, q.device)[0] < 48 * pre[0].nc
     names = ["q chunk max", "q chunk sum", "p chunk max", "p chunk sum", "paired chunk max", "paired chunk sum",
-             "residual masses", "q masses", "lse"]
-    results = run(True)
-    for name, got, want in zip(names, results, run(False)):
+             "residual masses", "q masses", "lse", "top-k threshold", "top-k candidates", "top-k counts"]
+    results = run(True, stages)
+    for name, got, want in zip(names, results, run(False, 1)):
         assert not got.isnan().any(), f"{name}: the persistent programs left elements unwritten"
+        assert got.shape == want.shape, name
         assert torch.equal(got, want), f"{name} differs from one program per tile"
     mq, sq, mp, sp, m, s = results[:6]
     assert torch.equal(m, torch.cat([mq, mp])) and torch.equal(s, torch.cat([sq, sp])), "paired != separate"
