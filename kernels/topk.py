@@ -78,10 +78,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import reference, vocab
 from .utils import gdc_enter, pdl_meta
 from .vocab import (aligned_rows, in_rows, is_interior, row_window, split_config, stream_grid, stream_load,
-                    stream_stages, stream_tile, window_masks)
+                    stream_tile, window_masks)
 
 BINS = tl.constexpr(256)
 DIGIT_BITS = tl.constexpr(8)
@@ -385,7 +385,7 @@ def prefilter(logits: torch.Tensor, top_k: int, config: tuple, cap: int = CAP,
     cmax = torch.empty(N, nc, dtype=torch.int32, device=logits.device)
     t0 = torch.empty(N, dtype=torch.int32, device=logits.device)
     args = (x, y, cmax, s_x, N, N_X, V, nc, cfg.nc, N * cfg.nc)
-    meta = dict(BLOCK_V=cfg.block_v, CHUNK=chunk, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, STAGES=stream_stages(),
+    meta = dict(BLOCK_V=cfg.block_v, CHUNK=chunk, STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, STAGES=vocab.STREAM_STAGES,
                 num_warps=max(1, min(4, cfg.block_v // 1024)), **pdl_meta(logits.device))
     _chunk_max_kernel[stream_grid(_chunk_max_kernel, N * cfg.nc, args, meta, logits.device)](*args, **meta)
     nc_pad = triton.next_power_of_2(nc)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl_enabled
+from . import pdl_enabled, pdl_supported
 
 
 def rows_per_program(block_v: int, budget: int = 4096) -> int:
@@ -80,7 +80,7 @@ def pdl_meta(device: torch.device) -> dict:
     replayed CUDA graph, a kernel's launch and its programs' start overlap the end of the kernel before it,
     which otherwise costs a launch gap at each of the 40 to 230 kernels of a captured step). Off in the CPU
     interpreter, so its variants are those of a plain launch."""
-    if pdl_enabled() and device.type == "cuda" and cuda_props(device).major >= 9:
+    if pdl_enabled() and pdl_supported(device):
         return dict(USE_GDC=True, launch_pdl=True)
     return dict(USE_GDC=False)
 

@@ -374,11 +374,6 @@ def residual_probs(QL, PL, o_base, o_b, shift, end, m_n, V, interior, kq, kp, ls
     return b_q, b_p
 
 
-def stream_stages() -> int:
-    """The ``STAGES`` of the streaming kernels' loops (``STREAM_STAGES``, read at launch)."""
-    return STREAM_STAGES
-
-
 def stream_grid(kernel, n_tiles: int, args: tuple, meta: dict, device: torch.device) -> tuple:
     """Grid of a streaming kernel over n_tiles tiles: one wave of as many programs as the SMs hold
     (``utils.resident_programs``), each looping over its share of the tiles, or one program per tile when
@@ -403,7 +398,7 @@ def chunk_stats(logits, kth, temperature, cfg: SplitConfig, stride_units: int, m
     args = (logits, logits if more is None else more, k_x, k_x if more_kth is None else more_kth, m, s,
             stride_units, N, N_X, V, cfg.nc, n_rb, n_rb_x, n_rb * cfg.nc, float(temperature))
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HAS_TOPK=kth is not None, STRIDE_UNIT=cfg.unit,
-                ALIGN=cfg.align, STAGES=stream_stages(), num_warps=cfg.stream_warps, **pdl_meta(logits.device))
+                ALIGN=cfg.align, STAGES=STREAM_STAGES, num_warps=cfg.stream_warps, **pdl_meta(logits.device))
     _chunk_stats_kernel[stream_grid(_chunk_stats_kernel, n_rb * cfg.nc, args, meta, logits.device)](*args, **meta)
     return m, s
 

@@ -55,12 +55,11 @@ class MeasuredScoring:
     """The scoring of each burst shape, timed once (``Engine(scoring="auto")``).
 
     ``choose(run, key, device)``: the scoring stored for ``key`` (the shape and sampling settings), else,
-    when ``timer`` (default :func:`gpu_times`) can time ``run(scoring)`` for both scorings on ``device``,
+    when :func:`gpu_times` can time ``run(scoring)`` for both scorings on ``device``,
     the faster one (the default ``kernels.accept.SCORING`` unless the other takes less than ``MARGIN`` of
     its time), stored; else None (the default, not stored: asked again on a later run)."""
 
-    def __init__(self, timer: Optional[Callable] = None) -> None:
-        self.timer = timer
+    def __init__(self) -> None:
         self.choices: dict = {}  # key -> scoring
         self.times: dict = {}  # key -> {scoring: ms} as measured
 
@@ -68,8 +67,7 @@ class MeasuredScoring:
         choice = self.choices.get(key)
         if choice is not None:
             return choice
-        timer = self.timer or gpu_times
-        times = timer({s: (lambda s=s: run(s)) for s in kernels.checks.SCORINGS}, device)
+        times = gpu_times({s: (lambda s=s: run(s)) for s in kernels.checks.SCORINGS}, device)
         if times is None:
             return None
         from .kernels import accept  # the Triton path's module (imports triton)

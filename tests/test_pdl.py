@@ -3,7 +3,6 @@ that it keeps the tokens on a GPU that has it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,7 +57,7 @@ def test_pdl_is_off_in_the_interpreter_and_before_sm90(monkeypatch):
     with kernels.use_pdl(True):
         assert kernel_utils.pdl_meta(torch.device("cpu")) == dict(USE_GDC=False)
         for major, on in ((8, False), (9, True), (10, True)):
-            monkeypatch.setattr(kernel_utils, "cuda_props", lambda device, major=major: SimpleNamespace(major=major))
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
             want = dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
             assert kernel_utils.pdl_meta(torch.device("cuda", 0)) == want
         with kernels.use_pdl(False):
