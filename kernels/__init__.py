@@ -7,13 +7,13 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
-``sampling``, ``layer_norm``, ``linear_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
+``sampling``, ``layer_norm``, ``fc_gelu``, ``linear_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
 ``along``, ``lossless``, ``flags``, ``plan``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
 so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
 extra: acceptance straight from hidden states and the LM-head weight;
-``add_layer_norm``, ``linear_add_norm``, ``mlp_add_norm``, ``feed_embedding``,
+``add_layer_norm``, ``linear_gelu``, ``linear_add_norm``, ``mlp_add_norm``, ``feed_embedding``,
 ``rotary_``, ``draft_slots``, ``gather_drafts`` and ``commit``
 fuse a step's small ops (a residual add and its LayerNorm; a narrow model's
 output projection or MLP with them; the input embedding and the first LayerNorm; a
@@ -148,6 +148,7 @@ class _Triton(NamedTuple):
     attention: ModuleType
     commit_step: ModuleType
     embed: ModuleType
+    fc_gelu: ModuleType
     flags: ModuleType
     layer_norm: ModuleType
     linear_norm: ModuleType
@@ -162,12 +163,12 @@ def _triton() -> _Triton:
     """The Triton modules, imported on first use (each imports triton, and ``ops`` imports them all). A
     plain import statement, not importlib, so that torch.compile traces the Triton path."""
     try:
-        from . import (accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless,
-                       plan, rotary, sampling, slots)
+        from . import (accept, along, attention, commit_step, embed, fc_gelu, flags, layer_norm, linear_norm,
+                       lossless, plan, rotary, sampling, slots)
     except ImportError as e:
         raise _no_triton(e) from e
-    return _Triton(accept, along, attention, commit_step, embed, flags, layer_norm, linear_norm, lossless, plan, rotary,
-                   sampling, slots)
+    return _Triton(accept, along, attention, commit_step, embed, fc_gelu, flags, layer_norm, linear_norm, lossless,
+                   plan, rotary, sampling, slots)
 
 
 def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None, *, backend: Optional[str] = None):
@@ -255,6 +256,15 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
         return _triton().layer_norm.add_layer_norm(x, y, weight, bias, eps)
     step_checks.check_add_layer_norm(x, y, weight, bias, eps)
     return reference.add_layer_norm(x, y, weight, bias, eps)
+
+
+def linear_gelu(x, weight, bias=None, *, backend: Optional[str] = None) -> torch.Tensor:
+    """``F.gelu(F.linear(x, weight, bias))``, (..., K) -> (..., F): the MLP's first matmul with its GELU as the
+    epilogue (one kernel); see the reference."""
+    if _resolve(backend, x) == "triton":
+        return _triton().fc_gelu.linear_gelu(x, weight, bias)
+    step_checks.check_linear_gelu(x, weight, bias)
+    return reference.linear_gelu(x, weight, bias)
 
 
 def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *, next_weight=None,
@@ -383,6 +393,7 @@ __all__ = [
     "feed_embedding",
     "flag_nonfinite",
     "gather_drafts",
+    "linear_gelu",
     "linear_add_norm",
     "mlp_add_norm",
     "pdl_enabled",

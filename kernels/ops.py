@@ -19,6 +19,7 @@ op                                 inputs -> outputs
                                    flag () or None -> accept (B, O, R), n_accept, first_reject (B, O),
                                    best, n_best (B,); sets flag at a NaN ratio of a valid step
 ``sigmafast::add_layer_norm``      x, y (..., C), weight, bias (C,) or None -> x + y, LayerNorm(x + y)
+``sigmafast::linear_gelu``         x (..., K), weight (F, K), bias (F,) or None -> gelu(linear(x)) (..., F)
 ``sigmafast::linear_add_norm``     x (..., C), y (..., K), weight (C, K), bias, LayerNorm weight and bias,
                                    next projection's weight, bias and output or None -> x + linear(y),
                                    LayerNorm of it (C <= 256); writes the next projection of the latter
@@ -81,6 +82,7 @@ from .decide import launch as decide_launch
 from .embed import launch as feed_embedding_launch
 from .flags import launch as flag_nonfinite_launch
 from .plan import launch as plan_step_launch
+from .fc_gelu import launch as linear_gelu_launch
 from .layer_norm import launch as add_layer_norm_launch
 from .linear_norm import linear_launch as linear_add_norm_launch
 from .linear_norm import mlp_launch as mlp_add_norm_launch
@@ -179,6 +181,16 @@ def _add_layer_norm(x: Tensor, y: Tensor, weight: Optional[Tensor], bias: Option
 @_add_layer_norm.register_fake
 def _(x, y, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("sigmafast::linear_gelu", mutates_args=())
+def _linear_gelu(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return linear_gelu_launch(x, weight, bias)
+
+
+@_linear_gelu.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("sigmafast::linear_add_norm", mutates_args=("next_out",))
@@ -312,6 +324,5 @@ def _(steps, step):
 
 
 OPS = ("burst_attention", "verify_attention", "draft_logq", "lm_head_logq", "sample", "residual_sample",
-       "decide", "add_layer_norm", "linear_add_norm", "mlp_add_norm", "feed_embedding", "rotary_", "draft_slots",
-       "gather_drafts", "residual_pick", "commit", "flag_nonfinite",
-       "plan_step")
+       "decide", "add_layer_norm", "linear_gelu", "linear_add_norm", "mlp_add_norm", "feed_embedding", "rotary_",
+       "draft_slots", "gather_drafts", "residual_pick", "commit", "flag_nonfinite", "plan_step")

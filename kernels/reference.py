@@ -312,6 +312,11 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5) -> tuple[torch.Tensor
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
+def linear_gelu(x, weight, bias=None) -> torch.Tensor:
+    """``F.gelu(F.linear(x, weight, bias))``, (..., K) -> (..., F): the first half of the MLP."""
+    return F.gelu(F.linear(x, weight, bias))
+
+
 def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *, next_weight=None,
                     next_bias=None, next_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_layer_norm(x, F.linear(y, weight, bias), norm_weight, norm_bias, eps)``: the end of an attention

@@ -133,6 +133,13 @@ def check_linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, next_
     return norm_bias
 
 
+def check_linear_gelu(x, weight, bias, dtypes: tuple = REFERENCE_DTYPES, unit_stride: bool = False) -> None:
+    """The arguments of ``linear_gelu``: x (..., K), weight (F, K) (contiguous when ``unit_stride``), bias (F,)
+    or None, of x's dtype and device."""
+    K = check_stream(x, dtypes, None)
+    check_linear("", weight, bias, (_check_rows("weight", weight, K, "F", None), K), x, unit_stride)
+
+
 def check_mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight, norm_bias, eps,
                        next_weight=None, next_bias=None, next_out=None, dtypes: tuple = REFERENCE_DTYPES,
                        max_width: Optional[int] = None, max_inner: Optional[int] = None,

@@ -69,6 +69,8 @@ class SampleArgs:
             self.num_orders = 1 if self.acceptance == "lossless" else 5
         if self.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
+        if not 0 <= self.seed < 2**63:  # torch.Generator.manual_seed's range
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.length is not None and self.infill is None:
             raise ValueError("--length is the canvas length of --infill: pass --infill, or --max-new-tokens instead")
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _is_text(task) -> bool:
     try:
-        task.encode("a")
+        task.encode("")  # any string a text task's vocabulary holds, whatever its characters
     except NotImplementedError:
         return False
     return True

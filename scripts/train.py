@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 import typing
 
@@ -48,13 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def as_flags(message: str) -> str:
+    """A config error in the words of the command line: ``TrainConfig.max_iters`` becomes ``--max-iters``."""
+    return re.sub(r"\bTrainConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
 def main(argv: typing.Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         result = train(TrainConfig(**vars(args)))
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {as_flags(str(e))}", file=sys.stderr)
         return 2
     except (FloatingPointError, OSError) as e:  # diverged, or a checkpoint write failed (the last one is intact)
         print(f"error: {e}", file=sys.stderr)

@@ -150,6 +150,13 @@ def not_torch_file(path: Path) -> Optional[str]:
         if head.startswith(b"PK"):
             return "not a complete torch.save file (its zip archive is truncated or damaged)"
         return f"not a torch.save file (not a zip archive; it starts with {head!r})"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # every member's CRC: torch.load would read damaged tensors silently
+    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as e:  # RuntimeError: an encrypted member
+        return f"its zip archive cannot be read ({e})"
+    if damaged is not None:
+        return f"the file is corrupt (member {damaged} fails its checksum)"
     return None
 
 

@@ -53,11 +53,13 @@ class FusedEnds(SublayerEnds):
     next norm and the next block's QKV projection are one kernel (``kernels.linear_add_norm``,
     ``kernels.mlp_add_norm``) with ``narrow=True`` (``Engine(fused_ends=True)``, opt-in); in a wider one,
     or with ``narrow=False`` (the engine's default: faster on an H200), the matmuls stay cuBLAS's and the
-    add + norm is one kernel (``kernels.add_layer_norm``).
+    add + norm is one kernel (``kernels.add_layer_norm``); there ``gelu=True`` (``Engine(fused_gelu=True)``,
+    opt-in) makes the MLP's first matmul and its GELU one kernel (``kernels.linear_gelu``).
     Modules in training mode (dropout) and norms that :func:`norm_params` does not know run as they are."""
 
-    def __init__(self, narrow: bool = True) -> None:
+    def __init__(self, narrow: bool = True, gelu: bool = False) -> None:
         self.narrow = narrow
+        self.gelu = gelu  # the MLP's first matmul with its GELU in one kernel (kernels.linear_gelu), where cuBLAS ends
 
     def attention(self, x, y, attn, rotary, norm, next_qkv=None, qkv_out=None):
         params = norm_params(norm, x.shape[-1])
@@ -76,7 +78,12 @@ class FusedEnds(SublayerEnds):
             return super().mlp(x, h, mlp, norm)
         one_layout = (mlp.c_fc.bias is None) == (mlp.c_proj.bias is None)
         if not (self.narrow and one_layout and _narrow(x, mlp.c_fc, mlp.c_proj)):
-            return (*kernels.add_layer_norm(x, mlp(h), *params, backend="triton"), None)
+            fc = mlp.c_fc
+            if self.gelu and fc.weight.is_contiguous() and fc.weight.dtype == h.dtype:
+                y = mlp.c_proj(kernels.linear_gelu(h, fc.weight, fc.bias, backend="triton"))
+            else:
+                y = mlp(h)
+            return (*kernels.add_layer_norm(x, y, *params, backend="triton"), None)
         nxt = _next_projection(x.shape[:-1], x, next_qkv, qkv_out)
         s, h = kernels.mlp_add_norm(x, h, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
                                     *params, **nxt, backend="triton")
@@ -176,13 +183,14 @@ class NeuralSession:
     non-finite flag."""
 
     def __init__(self, model, batch_size: int, seq_len: int, backend: str, head_align: Optional[int] = None,
-                 fused_ends: bool = False, scoring=None) -> None:
+                 fused_ends: bool = False, scoring=None, fused_gelu: bool = False) -> None:
         cfg = model.config
         param = next(model.parameters())
         device = param.device
         self.model = model
         self.backend = backend
         self.fused_ends = fused_ends  # the narrow models' one-kernel sublayer ends (opt-in: slower on an H200)
+        self.fused_gelu = fused_gelu  # the MLPs' first matmul and GELU in one kernel (opt-in, unmeasured)
         # kernels.acceptance_from_hidden's scoring (None: its default), or a scoring.MeasuredScoring that times both
         self.scoring = scoring
         self.cache = KVCache(cfg.n_layer, batch_size, cfg.n_head, seq_len, cfg.head_dim, dtype=param.dtype,
@@ -299,7 +307,7 @@ class NeuralSession:
     def _ends(self) -> Optional[SublayerEnds]:
         """The sublayer ends of this step: fused on the Triton path when nothing traces it, else the plain
         ones (None)."""
-        return FusedEnds(self.fused_ends) if self.backend == "triton" and not traced() else None
+        return FusedEnds(self.fused_ends, self.fused_gelu) if self.backend == "triton" and not traced() else None
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits in the model's dtype (a view of the padded

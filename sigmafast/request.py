@@ -186,6 +186,9 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         if max_new_tokens is None:
             raise ValueError("max_new_tokens is required when known is None (prompt mode)")
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
+        if idx.shape[1] + max_new_tokens > block_size:  # before the canvas is allocated
+            raise ValueError(f"canvas length {idx.shape[1] + max_new_tokens} (prompt {idx.shape[1]} + max_new_tokens "
+                             f"{max_new_tokens}) exceeds the model's block_size {block_size}")
         canvas = torch.cat([idx.long(), idx.new_zeros(B, max_new_tokens, dtype=torch.long)], 1)
         known = torch.zeros_like(canvas, dtype=torch.bool)
         known[:, : idx.shape[1]] = True

@@ -25,6 +25,19 @@ def resumed_config(user_cfg: TrainConfig, ckpt: dict) -> tuple[TrainConfig, froz
     return cfg, (stored_explicit | user_cfg.explicit_fields()) - RUN_FIELDS
 
 
+# Fields a resumed run may change and still be the run it continues: its length, machine and reports.
+SAME_RUN_FIELDS = frozenset({"max_iters", "device", "compile", "log_interval", "eval_interval", "num_eval_samples"})
+
+
+def changed_fields(user_cfg: TrainConfig, ckpt: dict) -> list[str]:
+    """``"name: stored -> new"`` for each field ``user_cfg`` sets to another value than the checkpoint's run
+    had (but :data:`SAME_RUN_FIELDS`): a resumed run that changes them is no longer the run it continues."""
+    stored = ckpt["train_config"]
+    return [f"{name}: {stored[name]!r} -> {getattr(user_cfg, name)!r}"
+            for name in sorted(user_cfg.explicit_fields() - RUN_FIELDS - SAME_RUN_FIELDS)
+            if stored.get(name) is not None and getattr(user_cfg, name) != stored[name]]
+
+
 def learned_task_kwargs(ckpt: dict) -> dict:
     """The task arguments the stored run learned from its data (the char task's vocabulary, the series task's
     value range and bins): the resumed task is built with them, so that a token id keeps its meaning when

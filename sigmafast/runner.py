@@ -155,7 +155,9 @@ class Engine(EagerRunner):
     kernel compute the first block's QKV projection; the default keeps those
     matmuls cuBLAS's, which an H200 ran faster (``small``: 0.13 against 0.20 ms
     per autoregressive token, 0.55 against 0.70 ms per burst iteration;
-    ``benchmarks/RESULTS.md``). ``scoring`` ("matmul" or "fused"; None: the
+    ``benchmarks/RESULTS.md``). ``fused_gelu=True`` (opt-in, not yet timed on a GPU) computes each MLP's
+    first matmul with its GELU as one Triton kernel (``kernels.linear_gelu``) where the matmuls are cuBLAS's:
+    one launch fewer per block and forward. ``scoring`` ("matmul" or "fused"; None: the
     default of ``kernels.acceptance_from_hidden``) chooses how a burst scores
     its drafts from the verifier's hidden states on the Triton path; "auto"
     times both on the GPU at the first run of each burst shape and keeps the
@@ -170,7 +172,8 @@ class Engine(EagerRunner):
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
                  compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = False,
-                 fused_ends: bool = False, scoring: Optional[str] = None, pdl: bool = False) -> None:
+                 fused_ends: bool = False, scoring: Optional[str] = None, pdl: bool = False,
+                 fused_gelu: bool = False) -> None:
         _check_model(model)
         for name, flag in (("buckets", buckets), ("cuda_graphs", cuda_graphs)):
             if flag is not None and not isinstance(flag, bool):
@@ -190,9 +193,10 @@ class Engine(EagerRunner):
         if not isinstance(lookahead, bool):
             raise TypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
         self.lookahead = lookahead
-        if not isinstance(fused_ends, bool):
-            raise TypeError(f"fused_ends must be a bool, got {type(fused_ends).__name__}")
-        self.fused_ends = fused_ends
+        for name, flag in (("fused_ends", fused_ends), ("fused_gelu", fused_gelu)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        self.fused_ends, self.fused_gelu = fused_ends, fused_gelu
         if scoring is not None and scoring not in SCORING_CHOICES:
             raise ValueError(f"scoring must be None or one of {SCORING_CHOICES}, got {scoring!r}")
         self.scoring = scoring
@@ -202,8 +206,10 @@ class Engine(EagerRunner):
         if pdl and not kernels.pdl_supported(next(model.parameters()).device):
             raise ValueError("pdl=True needs a model on a CUDA GPU of compute capability 9 or more (Hopper)")
         self.pdl = pdl
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int):
+            raise TypeError(f"max_sessions must be an int, got {type(max_sessions).__name__}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions!r}")
         self.max_sessions = max_sessions
         self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing, LRU order
         self._static: dict = {}  # (id(session), kind) -> static input buffers
@@ -269,7 +275,7 @@ class Engine(EagerRunner):
             session = self._sessions.pop((backend, size, T), None)
             if session is None:
                 session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
-                                        scoring=self._scoring)
+                                        scoring=self._scoring, fused_gelu=self.fused_gelu)
             self._sessions[(backend, size, T)] = session  # most recently used last
             if len(self._sessions) > self.max_sessions:  # bounded memory: caches, buffers and graphs
                 oldest = self._sessions.pop(next(iter(self._sessions)))
@@ -277,7 +283,7 @@ class Engine(EagerRunner):
                 self._static = {k: v for k, v in self._static.items() if k[0] != id(oldest)}
         else:
             session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
-                                    scoring=self._scoring)
+                                    scoring=self._scoring, fused_gelu=self.fused_gelu)
         m = session.load(canvas, known)
         if m > 0:  # the prompt's prefill: a static-shape step over the bucket of the largest known count
             M = self.r_bucket(m, T)

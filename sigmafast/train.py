@@ -38,7 +38,7 @@ from .loss import step_weights
 from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
 from .optim import configure_optimizer, learning_rate, restore_optimizer
-from .resume import check_given_fields, learned_task_kwargs, resumed_config
+from .resume import changed_fields, check_given_fields, learned_task_kwargs, resumed_config
 from .signals import EvaluationStopped, StopRequest
 from .train_config import RUN_FIELDS, TrainConfig, check_task_flags, resolve
 
@@ -138,6 +138,9 @@ class _Trainer:
         ckpt = read_resumed(user_cfg) if user_cfg.resume else None
         self.explicit = given - RUN_FIELDS
         if ckpt is not None:  # the fields left unset continue the stored run
+            changed = changed_fields(user_cfg, ckpt)
+            if changed and layout.is_main:
+                log.warning("resuming with changed settings (%s): the run goes on with them", "; ".join(changed))
             user_cfg, self.explicit = resumed_config(user_cfg, ckpt)
         task_kwargs = user_cfg.task_kwargs()
         check_task_flags(user_cfg.task, task_kwargs)
@@ -146,7 +149,8 @@ class _Trainer:
         self.task.check_data()  # a missing data set fails now, with how to get it
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
         check_given_fields(cfg, given, self.task)
-        self.task_info = task_record(self.task, task_kwargs)
+        data = {} if cfg.data_dir is None else {"data_dir": cfg.data_dir}  # a default folder too, made absolute
+        self.task_info = task_record(self.task, {**task_kwargs, **data})
         self.model_config = build_model_config(cfg, self.task)
         estimate = check_memory(cfg, self.model_config, self.task.seq_len, self.device)
         self._info("estimated peak memory %.2f GiB per process", estimate / GIB)

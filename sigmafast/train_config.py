@@ -236,7 +236,8 @@ class TrainConfig:
         if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"TrainConfig.min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         arch = self.architecture()
-        if arch["n_embd"] % (2 * arch["n_head"]) != 0:
+        # on --resume without both widths given, the architecture is the checkpoint's, checked once read
+        if (not self.resume or None not in (self.n_embd, self.n_head)) and arch["n_embd"] % (2 * arch["n_head"]):
             raise ValueError(
                 f"TrainConfig.n_embd ({arch['n_embd']}) must be divisible by 2*n_head ({2 * arch['n_head']})"
             )
@@ -341,7 +342,8 @@ _BASE_DEFAULTS = {"order": "random", "curriculum_start": 0.5, "embedding_lr_scal
                   "loss_weighting": "uniform"}
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 # Fields derived from another one when unset: (derived, source).
-_DERIVED = (("lr_decay_iters", "max_iters"), ("min_lr", "lr"), ("grad_accum", "batch_size"))
+_DERIVED = (("lr_decay_iters", "max_iters"), ("lr_decay_iters", "warmup_iters"), ("min_lr", "lr"),
+            ("grad_accum", "batch_size"))
 
 
 def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict,

@@ -77,9 +77,10 @@ def test_load_checkpoint_on_cuda_without_cuda(trained_dir):
     (b"", "the file is empty"),
     ("zip", "torch.load failed (corrupt, or written by something else): file in archive is not in a subdirectory"),
     ("truncated", "not a complete torch.save file (its zip archive is truncated or damaged)"),
+    ("damaged", "the file is corrupt (member "),
     ([1, 2], "is not a sigmafast checkpoint: it holds a list, not a dict"),
     ({"model": {}, "iter": 3}, "is not a sigmafast checkpoint: missing keys ['best_val_loss', 'history', "),
-], ids=["csv", "empty", "other-zip", "truncated", "list", "other-dict"])
+], ids=["csv", "empty", "other-zip", "truncated", "damaged", "list", "other-dict"])
 def test_load_checkpoint_says_why_a_file_is_not_a_checkpoint(tmp_path, trained_dir, content, reason):
     path = tmp_path / "file"
     if content == "zip":
@@ -89,6 +90,10 @@ def test_load_checkpoint_says_why_a_file_is_not_a_checkpoint(tmp_path, trained_d
     elif content == "truncated":
         data = (trained_dir / "ckpt.pt").read_bytes()
         path.write_bytes(data[: len(data) // 2])
+    elif content == "damaged":  # bytes flipped inside the weights: a zip archive that looks whole
+        data = bytearray((trained_dir / "ckpt.pt").read_bytes())
+        data[len(data) // 2: len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 64])
+        path.write_bytes(bytes(data))
     elif isinstance(content, bytes):
         path.write_bytes(content)
     else:

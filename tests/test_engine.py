@@ -244,8 +244,10 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, compile_steps="bogus")
     with pytest.raises(TypeError, match="model must be a SigmaGPT, got str"):  # before the engine cache's lookup
         sigmafast.warmup("x", 2, T)
-    with pytest.raises(ValueError, match="max_sessions must be an int >= 1"):
+    with pytest.raises(ValueError, match="max_sessions must be >= 1, got 0"):
         sigmafast.Engine(model, max_sessions=0)
+    with pytest.raises(TypeError, match="max_sessions must be an int, got bool"):
+        sigmafast.Engine(model, max_sessions=True)
     with pytest.raises(TypeError, match="lookahead must be a bool"):
         sigmafast.Engine(model, lookahead=1)
     with pytest.raises(TypeError, match="buckets must be None or a bool, got str"):
@@ -260,6 +262,11 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.warmup(model, 1, -1)
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         sigmafast.warmup(model, 2, T + 1)
+    for huge in (2**40, 2**62):  # refused before a canvas of that length is allocated
+        with pytest.raises(ValueError, match=f"canvas length {huge + 1} .* exceeds the model's block_size"):
+            sigmafast.generate(model, torch.zeros(1, 1, dtype=torch.long), huge)
+        with pytest.raises(ValueError, match="exceeds the model's block_size"):
+            sigmafast.warmup(model, 2, huge)
 
 
 @pytest.mark.parametrize("strategy", ["burst", "autoregressive"])

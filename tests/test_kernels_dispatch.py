@@ -216,6 +216,8 @@ def test_kernels_are_custom_ops():
         "commit": _commit_sample(g),
         "add_layer_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g),
                                  torch.rand(16, generator=g), torch.randn(16, generator=g)), 1e-5),
+        "linear_gelu": (*_dev(torch.randn(2, 3, 24, generator=g)[..., :16], torch.randn(40, 16, generator=g),
+                              torch.randn(40, generator=g)),),
         "linear_add_norm": (*_dev(torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 8, generator=g),
                                   torch.randn(16, 8, generator=g), torch.randn(16, generator=g),
                                   torch.rand(16, generator=g)), None, 1e-5,
@@ -304,7 +306,8 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         nxt = hidden.new_empty(B, O, R, 2 * C)  # written by the first end (a mutated argument)
         ends = (*kernels.linear_add_norm(hidden, hidden, w_proj, next_weight=w_fc, next_bias=b_fc, next_out=nxt,
                                          backend="triton"), nxt,
-                *kernels.mlp_add_norm(hidden, hidden, w_fc, b_fc, w_fc.t().contiguous(), b_fc[:C], backend="triton"))
+                *kernels.mlp_add_norm(hidden, hidden, w_fc, b_fc, w_fc.t().contiguous(), b_fc[:C], backend="triton"),
+                kernels.linear_gelu(hidden, w_fc, b_fc, backend="triton"))
         return (x, y, tok, logp, res.logq, res.n_accept, res_h.logq, res_h.best, res_m.logq, r_tok, *slots, *ends)
 
     traced = set()
@@ -321,7 +324,7 @@ def test_torch_compile_fullgraph_traces_the_triton_ops():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     ops = {f"sigmafast.{name}" for name in
            ("burst_attention", "verify_attention", "sample", "draft_logq", "lm_head_logq", "residual_sample",
-            "draft_slots", "linear_add_norm", "mlp_add_norm")}
+            "draft_slots", "linear_add_norm", "mlp_add_norm", "linear_gelu")}
     assert ops <= traced, f"not in the graph: {ops - traced}"
 
 
@@ -386,6 +389,10 @@ def _bad_calls():
          ValueError, "step must be"),
         ("plan-steps-2d", lambda b: kernels.plan_step(tok, torch.zeros((), dtype=torch.long), backend=b),
          ValueError, "steps must be a"),
+        ("gelu-weight-width", lambda b: kernels.linear_gelu(x, weight, backend=b), ValueError,
+         "weight must be a contiguous \\(10, 10\\)|weight must be a \\(10, 10\\)"),
+        ("gelu-bias-length", lambda b: kernels.linear_gelu(x, x, u[:3], backend=b), ValueError, "bias must be None or a"),
+        ("gelu-x-int", lambda b: kernels.linear_gelu(tok, x, backend=b), ValueError, "x must be float32"),
         ("pick-n-shape", lambda b: kernels.residual_pick(pos[:1, 0], pos[:, 0], pos, pos, u_pos, x.view(2, 2, 10),
                                                          x.view(2, 2, 10), backend=b), ValueError,
          "n must be an int32/int64"),

@@ -131,6 +131,13 @@ def test_make_oracle_rejects_other_tasks():
         make_oracle(get_task("random_walk"))
 
 
+@pytest.mark.parametrize("name", ["step", "permutation"])
+def test_oracle_rejects_canvases_shorter_than_its_sequences(name):
+    oracle = make_oracle(get_task(name, seq_len=12))
+    with pytest.raises(ValueError, match="exactly its task's seq_len = 12 tokens, got 3"):
+        sigmafast.generate(oracle, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
 @pytest.mark.parametrize("name,kwargs,n_sequences", [
     ("permutation", dict(seq_len=5), 120), ("step", dict(seq_len=10, run_length=3), 8)])
 def test_oracle_log_likelihood_is_uniform_in_every_order(name, kwargs, n_sequences):

@@ -140,11 +140,16 @@ def test_script_resume_with_only_out_dir_continues_the_run(flags, tmp_path, caps
     assert differ - set(train_config.ARCH_FIELDS) == {"out_dir", "resume"}, differ
 
 
-def test_script_flags_given_on_resume_win_even_at_their_defaults(tmp_path):
+def test_script_flags_given_on_resume_win_even_at_their_defaults(tmp_path, caplog):
     script = train_script()
     assert script.main(OWN_FLAGS + ["--max-iters", "2", "--out-dir", str(tmp_path)]) == 0
+    before = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
+    caplog.set_level(logging.WARNING, logger="sigmafast.train")
     assert script.main(["--resume", "--out-dir", str(tmp_path), "--max-iters", "3", "--seed", "1337",
-                        "--grad-clip", "1.0", "--lr", "1e-3"]) == 0
+                        "--grad-clip", "1.0", "--lr", "1e-3", "--weight-decay", str(before["weight_decay"])]) == 0
+    changed = f"grad_clip: {before['grad_clip']!r} -> 1.0; lr: {before['lr']!r} -> 0.001; seed: {before['seed']!r} -> 1337"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resuming with changed settings ({changed}): the run goes on with them"]  # not max_iters, nor an equal value
     stored = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
     assert (stored["seed"], stored["grad_clip"], stored["lr"], stored["min_lr"]) == (1337, 1.0, 1e-3, 1e-4)
     assert (stored["task"], stored["weight_decay"], stored["lr_decay_iters"]) == ("step", 0.05, 3)
@@ -165,6 +170,10 @@ def test_resume_config_takes_every_field_not_passed_from_the_checkpoint():
     given = train_config.resume_config(TrainConfig(seed=1337, objective="sigma", max_iters=7), stored, model)
     assert (given.seed, given.objective, given.grad_clip, given.max_iters, given.lr_decay_iters) \
         == (1337, "sigma", 0.01, 7, None)  # lr_decay_iters is derived again from the new max_iters
+    warm = train_config.resume_config(TrainConfig(warmup_iters=stored["lr_decay_iters"] + 1), stored, model)
+    assert warm.lr_decay_iters is None  # and from a new warm-up: the stored one would end before it
+    explicit = train_config.resume_config(TrainConfig(warmup_iters=1), stored, model, frozenset({"lr_decay_iters"}))
+    assert explicit.lr_decay_iters == stored["lr_decay_iters"]  # unless the stored run was given it
 
 
 @pytest.mark.parametrize("max_iters", [2, 1])

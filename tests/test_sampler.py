@@ -311,6 +311,10 @@ def test_sample_script_parses_infill_templates():
             script.parse_template(f"01_{item}", step, 6)
     with pytest.raises(ValueError, match="canvas length"):
         script.parse_template("0101010", step, 6)
+    dna = get_task("char", text="unread.txt", seq_len=8, chars="ACGT\n")  # a text task without an 'a'
+    tokens, known = script.parse_template("AC__T", dna, 8)
+    assert known.tolist() == [True, True, False, False, True, False, False, False]
+    assert dna.decode(tokens[[0, 1, 4]].tolist()) == "ACT"
 
 
 def test_sample_script_renders_a_partial_maze():
@@ -461,6 +465,8 @@ def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(
     pytest.param(["--infill", "0 _ 1", "--max-new-tokens", "3"], "--max-new-tokens is for --prompt and "
                  "unconditional sampling", id="max-new-tokens-with-infill"),
     pytest.param(["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", id="max-new-tokens-negative"),
+    pytest.param(["--seed", str(10**23)], f"--seed must be in [0, 2**63), got {10**23}", id="seed-huge"),
+    pytest.param(["--seed", "-2"], "--seed must be in [0, 2**63), got -2", id="seed-negative"),
     pytest.param(["--device", "cuda"], "CUDA is not available", id="cuda-without-cuda",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")),
 ])

@@ -222,3 +222,18 @@ def test_checkpoints_load_and_sample_without_their_data(tmp_path, enc):
         assert task.decode(out[0]).startswith(prompt)
         with pytest.raises(FileNotFoundError):
             task.sample_batch(1)  # batches still need the data
+
+
+def test_checkpoint_records_the_default_data_dir_absolute(tmp_path, monkeypatch, enc):
+    """Trained with the default ``data/owt`` of the folder it ran in, a checkpoint finds its data from any other."""
+    from sigmafast.train import TrainConfig, load_checkpoint, train
+
+    run = tmp_path / "run"
+    _write_split_files(run / "data" / "owt", 3000, 1000)
+    monkeypatch.chdir(run)
+    train(TrainConfig(task="owt", seq_len=16, out_dir="out", preset="tiny", max_iters=1, batch_size=4, eval_iters=1,
+                      num_eval_samples=0))
+    monkeypatch.chdir(tmp_path)
+    _, task, _ = load_checkpoint(run / "out" / "ckpt.pt")
+    assert task.data_dir == run / "data" / "owt"
+    assert task.sample_batch(2).shape == (2, 16)

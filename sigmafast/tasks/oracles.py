@@ -59,6 +59,9 @@ class Oracle:
         return self._to_logits(self._probs(canvas, known, positions, drafts=drafts))
 
     def prefill(self, canvas: torch.Tensor, known: torch.Tensor) -> "OracleSession":
+        if canvas.shape[-1] != self.block_size:  # its laws are those of whole sequences of the task
+            raise ValueError(f"an oracle samples canvases of exactly its task's seq_len = {self.block_size} tokens, "
+                             f"got {canvas.shape[-1]}: give a prompt and max_new_tokens that add up to it")
         return OracleSession(self, canvas, known)
 
 
