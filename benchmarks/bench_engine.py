@@ -38,7 +38,8 @@ CUDA and float32 on CPU:
   through ``Engine(scoring="auto")``, which times both at each burst shape's first run and keeps the faster
   (``scoring_choices`` in the report; CUDA only);
   ``ar-pdl`` and ``burst-pdl``: through ``Engine(pdl=True)``, every Triton kernel launched with
-  programmatic dependent launch (sm_90 or later only).
+  programmatic dependent launch (sm_90 or later only); ``ar-fused-gelu`` and ``burst-fused-gelu``: through
+  ``Engine(fused_gelu=True)``, each MLP's first matmul and GELU as one Triton kernel (CUDA only).
 * ``hf-<shape>-B<b>``: HF ``transformers`` ``GPT2LMHeadModel`` greedy
   ``generate`` (eager, no compile), ms per token; skipped without transformers.
 * ``anchor-{eager,compiled}-<shape>-B<b>``: the static-KV-cache decoder of
@@ -99,6 +100,8 @@ STRATEGIES = {
     "burst-auto-scoring": dict(strategy="burst", num_orders=5, acceptance="paper"),  # Engine(scoring="auto")
     "ar-pdl": dict(strategy="autoregressive", order="left-to-right"),  # Engine(pdl=True)
     "burst-pdl": dict(strategy="burst", num_orders=5, acceptance="paper"),
+    "ar-fused-gelu": dict(strategy="autoregressive", order="left-to-right"),  # Engine(fused_gelu=True)
+    "burst-fused-gelu": dict(strategy="burst", num_orders=5, acceptance="paper"),
 }
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
 COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
@@ -106,7 +109,8 @@ FUSED = ("ar-fused", "burst-fused")  # CUDA only (the Triton path), narrow shape
 ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-lookahead": dict(lookahead=True),
                   **{s: dict(fused_ends=True) for s in FUSED}, "burst-fused-scoring": dict(scoring="fused"),
                   "burst-auto-scoring": dict(scoring="auto"),
-                  "ar-pdl": dict(pdl=True), "burst-pdl": dict(pdl=True)}
+                  "ar-pdl": dict(pdl=True), "burst-pdl": dict(pdl=True),
+                  "ar-fused-gelu": dict(fused_gelu=True), "burst-fused-gelu": dict(fused_gelu=True)}
 KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
@@ -320,6 +324,8 @@ def test_engine(benchmark, strategy, shape, batch):
         pytest.skip("compiled steps: small and gpt2 shapes only, bursts at B = 1 only (compile time)")
     if strategy in FUSED and (not CUDA or shape.startswith("gpt2")):
         pytest.skip("the fused sublayer ends run on CUDA's Triton path, in models at most 256 wide")
+    if strategy.endswith("-fused-gelu") and not CUDA:
+        pytest.skip("the fused GELU matmul runs on CUDA's Triton path (the CPU engine runs the reference)")
     if strategy in ("burst-fused-scoring", "burst-auto-scoring") and not CUDA:
         pytest.skip("the fused and timed scorings run on CUDA's Triton path (the CPU engine scores with the reference)")
     if strategy.endswith("-pdl") and not (CUDA and sigmafast.kernels.pdl_supported(torch.device(DEVICE))):

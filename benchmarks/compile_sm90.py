@@ -84,8 +84,8 @@ def _pdl_on(device) -> dict:
 
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
-    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, flags, layer_norm, lm_head,
-                                   linear_norm, lossless, plan, rotary, sampling, slots, topk)
+    from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, fc_gelu, flags, layer_norm,
+                                   lm_head, linear_norm, lossless, plan, rotary, sampling, slots, topk)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -186,6 +186,9 @@ def _cases(dtype: torch.dtype):
         qkv = (fc[:3 * C], fc[:3 * C, 0].contiguous(), torch.empty(2, 5, 128, 4 * C, dtype=dtype)[..., :3 * C])
         yield f"feed embedding + LayerNorm + first QKV C={C}", lambda f=feed, t=(wte, pe, w, b), n=qkv: embed.launch(
             *f, t[0], t[1], t[1], t[2], t[3], 1e-5, *n)
+    for C in (8, 64, 128, 768):  # the MLP's first matmul with its GELU (Engine(fused_gelu=True)), any width
+        x, fc = torch.randn(1280, C, generator=g).to(dtype), torch.randn(4 * C, C, generator=g).to(dtype)
+        yield f"linear + GELU C={C}", lambda x=x, fc=fc: fc_gelu.launch(x, fc, fc[:, 0].contiguous())
     for C in (768, 1024):  # GPT-2 small and medium widths: add + LayerNorm, and add + ScalarGainNorm
         xs = [torch.randn(1280, C, generator=g).to(dtype) for _ in range(2)]
         w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)

@@ -61,9 +61,10 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
     small) run small "${GPU_SMALL_LIMIT:-180}" bash -c "python -m pytest benchmarks/bench_kernels.py \
         ${BENCH[*]} --benchmark-json=$LOGS/small.json -k 'test_acceptance_from_hidden or test_small_model_attention' \
         ; python -m pytest benchmarks/bench_engine.py ${BENCH[*]} --benchmark-json=$LOGS/small_engine.json \
-            -k 'test_engine and B1 and not rope and (burst-small or burst-gpt2 or -scoring- or -pdl-)' \
+            -k 'test_engine and B1 and not rope and (burst-small or burst-gpt2 or -scoring- or -pdl- or -gelu-)' \
         ; python benchmarks/profile_steps.py --shape small --batch 1 --scoring auto \
-        ; python benchmarks/profile_steps.py --shape small --batch 1 --pdl" ;;
+        ; python benchmarks/profile_steps.py --shape small --batch 1 --pdl \
+        ; python benchmarks/profile_steps.py --shape small --batch 1 --fused-gelu" ;;
     sweep) run sweep "${GPU_SWEEP_LIMIT:-100}" python benchmarks/sweep_vocab.py --json "$LOGS/sweep.json" ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$LOGS/engine.json" -k "${GPU_ENGINE_K:-test_first_call or (test_engine and not inductor and not pdl)}" ;;

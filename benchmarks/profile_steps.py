@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--scoring", choices=["matmul", "fused", "auto"],
                         help="Engine(scoring=...): how a burst scores its drafts (default: the engine's; auto: "
                              "timed at the first run, the choice printed)")
+    parser.add_argument("--fused-gelu", action="store_true",
+                        help="Engine(fused_gelu=True): each MLP's first matmul and GELU as one Triton kernel")
     parser.add_argument("--pdl", action="store_true",
                         help="Engine(pdl=True): Triton kernels with programmatic dependent launch (sm_90 or later)")
     args = parser.parse_args()
@@ -201,7 +203,7 @@ def main() -> None:
     config = sigmafast.SigmaGPTConfig.from_preset(args.shape, vocab_size=vocab, **overrides)
     model = sigmafast.SigmaGPT(config).to(device=device, dtype=dtype).eval()
     engine = sigmafast.Engine(model, buckets=True, cuda_graphs=False, fused_ends=args.fused_ends,
-                              scoring=args.scoring, pdl=args.pdl)
+                              scoring=args.scoring, pdl=args.pdl, fused_gelu=args.fused_gelu)
     B, T = args.batch, config.block_size
     left = min(args.remaining or (40 if small else 256), T)
     R = steps.bucket(left, T)

@@ -37,7 +37,7 @@ def curriculum_l2r(step: int, cfg: TrainConfig) -> float:
     """Scheduled left-to-right share of the batch at ``step`` (0 unless ``order == "curriculum"``)."""
     if cfg.order != "curriculum":
         return 0.0
-    return orders.curriculum_fraction(step, cfg.max_iters, cfg.curriculum_start)
+    return orders.curriculum_fraction(step, cfg.curriculum_iters, cfg.curriculum_start)
 
 
 def make_val_batches(task, cfg: TrainConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -47,11 +47,12 @@ def learned_task_kwargs(ckpt: dict) -> dict:
 
 def check_given_fields(cfg: TrainConfig, given: frozenset, task) -> None:
     """A ``ValueError`` for a field the user passed (``given``) that the resolved ``cfg`` or ``task`` would
-    ignore: ``curriculum_start`` without the curriculum order, ``diffusion_noise`` without objective
+    ignore: ``curriculum_start`` or ``curriculum_iters`` without the curriculum order, ``diffusion_noise`` without objective
     diffusion, ``num_eval_samples`` > 0 on a task without a validity metric."""
-    if "curriculum_start" in given and cfg.curriculum_start is not None and cfg.order != "curriculum":
-        raise ValueError(f"TrainConfig.curriculum_start applies to order 'curriculum' only; this run's order is "
-                         f"{cfg.order!r}")
+    for name in ("curriculum_start", "curriculum_iters"):
+        if name in given and getattr(cfg, name) is not None and cfg.order != "curriculum":
+            raise ValueError(f"TrainConfig.{name} applies to order 'curriculum' only; this run's order is "
+                             f"{cfg.order!r}")
     if "diffusion_noise" in given and cfg.objective != "diffusion":
         raise ValueError(f"TrainConfig.diffusion_noise applies to objective 'diffusion' only; this run's objective "
                          f"is {cfg.objective!r}")

@@ -161,6 +161,8 @@ class TrainConfig:
         None, "training order of objective sigma (default: the task recipe's, else random)", ORDER_NAMES)
     curriculum_start: Optional[float] = _field(
         None, "curriculum: left-to-right fraction at step 0, falling linearly to 0 (default: 0.5)")
+    curriculum_iters: Optional[int] = _field(None, "curriculum: the step where the left-to-right fraction reaches 0 "
+                                                   "(default: max_iters)")
     loss_weighting: Optional[str] = _field(
         None, "objective sigma: weight of each step's cross-entropy, uniform or visited (proportional to the "
         "tokens visited before it, mean 1); every conditional keeps its optimum (default: the task recipe's, "
@@ -218,7 +220,8 @@ class TrainConfig:
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"TrainConfig.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "seq_len", "max_iters", "batch_size",
-                     "grad_accum", "lr_decay_iters", "eval_interval", "eval_iters", "log_interval"):
+                     "grad_accum", "lr_decay_iters", "curriculum_iters", "eval_interval", "eval_iters",
+                     "log_interval"):
             _check_range(name, getattr(self, name), low=1)
         for name in ("mlp_ratio", "warmup_iters", "num_eval_samples", "weight_decay", "grad_clip", "min_lr",
                      "embedding_lr_scale", "final_norm_lr_scale"):
@@ -342,8 +345,8 @@ _BASE_DEFAULTS = {"order": "random", "curriculum_start": 0.5, "embedding_lr_scal
                   "loss_weighting": "uniform"}
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 # Fields derived from another one when unset: (derived, source).
-_DERIVED = (("lr_decay_iters", "max_iters"), ("lr_decay_iters", "warmup_iters"), ("min_lr", "lr"),
-            ("grad_accum", "batch_size"))
+_DERIVED = (("lr_decay_iters", "max_iters"), ("lr_decay_iters", "warmup_iters"), ("curriculum_iters", "max_iters"),
+            ("min_lr", "lr"), ("grad_accum", "batch_size"))
 
 
 def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict,
@@ -355,8 +358,8 @@ def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict,
     ``stored_train`` is the checkpoint's resolved TrainConfig dict and ``stored_model`` its model config dict
     (fields an older checkpoint lacks already at their defaults). The architecture comes from the model that
     was built; training fields the checkpoint lacks take their values from before any recipe
-    (:data:`_BASE_DEFAULTS`), else their defaults. A derived field (``lr_decay_iters``, ``min_lr``,
-    ``grad_accum``) whose source the user sets is derived again, unless it is in ``stored_explicit`` (the
+    (:data:`_BASE_DEFAULTS`), else their defaults. A derived field (``lr_decay_iters``, ``curriculum_iters``,
+    ``min_lr``, ``grad_accum``) whose source the user sets is derived again, unless it is in ``stored_explicit`` (the
     fields the stored run was given explicitly).
     """
     given = cfg.explicit_fields() | RUN_FIELDS
@@ -391,6 +394,8 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
         values["loss_weighting"] = "uniform" if cfg.loss_weighting is None else cfg.loss_weighting
     if values["lr_decay_iters"] is None:  # the schedule of a run shorter than its warm-up is all warm-up
         values["lr_decay_iters"] = max(values["max_iters"], values["warmup_iters"])
+    if values["curriculum_iters"] is None:
+        values["curriculum_iters"] = values["max_iters"]
     if values["data_dir"] is None and cfg.task in PAPER_TASKS:  # the task's default folder, made absolute
         from .tasks.text import TOKEN_DATASETS
 

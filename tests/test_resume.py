@@ -42,6 +42,19 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_extending_a_run_with_pinned_schedules_matches_the_longer_run(tmp_path):
+    """A run stopped at its max_iters and resumed with a larger one is the longer run when the schedules that
+    max_iters would set are pinned: the learning rate's decay and the curriculum's left-to-right share."""
+    pinned = dict(order="curriculum", lr_decay_iters=8, curriculum_iters=8)
+    straight = train(small_cfg(tmp_path / "a", max_iters=8, **pinned))
+    train(small_cfg(tmp_path / "b", max_iters=4, **pinned))
+    extended = train(TrainConfig(out_dir=str(tmp_path / "b"), resume=True, max_iters=8))
+    assert read_checkpoint(tmp_path / "b" / "ckpt.pt")["train_config"]["curriculum_iters"] == 8
+    assert [e["l2r_fraction"] for e in extended.train_log] == [e["l2r_fraction"] for e in straight.train_log[4:]]
+    for p, q in zip(straight.model.parameters(), extended.model.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("first,second,error", [
     (signal.SIGTERM, signal.SIGTERM, SystemExit), (signal.SIGINT, signal.SIGTERM, SystemExit),
     (signal.SIGTERM, signal.SIGINT, KeyboardInterrupt), (signal.SIGINT, signal.SIGINT, KeyboardInterrupt),

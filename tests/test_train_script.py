@@ -40,6 +40,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
         (["--order", "random", "--curriculum-start", "0.3"],
          "--curriculum-start applies to order 'curriculum' only; this run's order is 'random'"),
         (["--curriculum-start", "0.3", "--objective", "diffusion"], "--curriculum-start applies to order 'curriculum'"),
+        (["--curriculum-iters", "5"], "--curriculum-iters applies to order 'curriculum' only"),
         (["--diffusion-noise", "absorbing"],
          "--diffusion-noise applies to objective 'diffusion' only; this run's objective is 'sigma'"),
         (["--lr-decay-iters", "10"], "--lr-decay-iters (10) must be >= warmup_iters (200)"),  # recipe's
@@ -50,7 +51,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
          "other-arch", "other-seq-len", "other-task", "other-heads", "nan-weight-decay", "inf-lr", "huge-seq-len", "huge-model",
-         "curriculum-start-random", "curriculum-start-diffusion", "diffusion-noise-sigma", "lr-decay-below-warmup",
+         "curriculum-start-random", "curriculum-start-diffusion", "curriculum-iters-random", "diffusion-noise-sigma", "lr-decay-below-warmup",
          "negative-seed", "huge-seed", "cuda-without-cuda"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
