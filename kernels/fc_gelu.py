@@ -28,10 +28,9 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES
+from .linear_norm import SQRT1_2, linear_tile
 from .step_checks import check_linear_gelu
 from .utils import gdc_enter, pdl_meta
-
-SQRT1_2 = tl.constexpr(0.7071067811865476)
 
 
 @triton.jit(do_not_specialize=["N", "F", "s_x"])
@@ -45,13 +44,7 @@ def _linear_gelu_kernel(
     o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_f = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
     m_m, m_f = o_m < N, o_f < F
-    b_acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        m_k = o_k < K
-        b_x = tl.load(X + o_m[:, None] * s_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_wt = tl.load(W + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0)
-        b_acc = tl.dot(b_x, b_wt, b_acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_F)
+    b_acc = linear_tile(X, W, o_m, o_f, m_m, m_f, s_x, K, BLOCK_M, BLOCK_F, BLOCK_K, DOT_PREC)  # (BLOCK_M, BLOCK_F)
     if HAS_BIAS:
         b_acc += tl.load(BIAS + o_f, mask=m_f, other=0.0).to(tl.float32)[None, :]
     b_a = b_acc.to(Y.dtype.element_ty).to(tl.float32)  # the eager addmm's rounding

@@ -87,6 +87,21 @@ def project_rows(b_h, WQ, BQ, Q, o_m, m_m, o_c, m_c, s_q, C: tl.constexpr, Q3: t
                      mask=m_m[:, None] & m_q[None, :])
 
 
+@triton.jit
+def linear_tile(X, W, o_m, o_n, m_m, m_n, s_x, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) float32 tile ``X W^T`` of rows ``o_m`` of X (row stride s_x) and rows ``o_n`` of W
+    (contiguous (N, K)), both int64 with their masks, over K in BLOCK_K chunks."""
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        m_k = o_k < K
+        b_x = tl.load(X + o_m[:, None] * s_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_wt = tl.load(W + o_n[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_acc = tl.dot(b_x, b_wt, b_acc, input_precision=DOT_PREC)
+    return b_acc
+
+
 @triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w", "s_q"])
 def _linear_add_norm_kernel(
     X, Y, W, BIAS, LW, LB, S, H, WQ, BQ, Q,
@@ -99,13 +114,7 @@ def _linear_add_norm_kernel(
     o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C).to(tl.int64)
     m_m, m_c = o_m < N, o_c < C
-    b_acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        m_k = o_k < K
-        b_y = tl.load(Y + o_m[:, None] * s_y + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_wt = tl.load(W + o_c[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_c[None, :], other=0.0)
-        b_acc = tl.dot(b_y, b_wt, b_acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_C)
+    b_acc = linear_tile(Y, W, o_m, o_c, m_m, m_c, s_y, K, BLOCK_M, BLOCK_C, BLOCK_K, DOT_PREC)
     if HAS_BIAS:
         b_acc += tl.load(BIAS + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
     _add_norm_store(b_acc, X, S, H, LW, LB, WQ, BQ, Q, o_m, o_c, N, s_x, s_w, s_q, eps, C, HAS_W, HAS_B, Q3, BLOCK_Q,

@@ -38,8 +38,7 @@ and so the partials, are bit-identical to one program per tile either way
   per (row, chunk) the masses of ``max(0, q - p)`` and of q (normalised by the
   row log-sum-exps, recombined in every program from the (N, NC) partials,
   and written once per row for the sampling kernel, which so sees the same q
-  and p). It walks the stream backwards (``backwards``): its first tiles are
-  the chunk statistics' last ones, which may still be in the L2 cache.
+  and p).
 
 Only a row's first and last chunks need column masks (its aligned window starts
 up to ALIGN - 1 columns early and ends past V): every other chunk
@@ -324,19 +323,18 @@ def _residual_mass_kernel(
 ):
     """(N, NC) chunk masses of max(0, q - p) (RM) and of q (QM), q and p the processed softmaxes (q and p
     rows share the row stride s_x), and the (N, 2) log-sum-exps of q and p (LSE) that normalised them, for the
-    sampling kernel. Streams the tiles as ``_chunk_stats_kernel`` does, but backwards, q's and p's together."""
+    sampling kernel. Streams the tiles as ``_chunk_stats_kernel`` does, q's and p's together."""
     gdc_enter(USE_GDC)
     s_x = s_x * STRIDE_UNIT
     t = tl.program_id(0)
     step = tl.num_programs(0)
-    b_rq = stream_load(QL, backwards(t, n_tiles), n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
-    b_rp = stream_load(PL, backwards(t, n_tiles), n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+    b_rq = stream_load(QL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+    b_rp = stream_load(PL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
     for _ in range(t, n_tiles, step):
-        t_next = backwards(t + step, n_tiles)
-        b_nq = stream_load(QL, t_next, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
-        b_np = stream_load(PL, t_next, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
-        o_n64, m_n, c, o_b, _, shift, _, interior, _ = stream_tile(backwards(t, n_tiles), n_rb, N, NC, s_x, V,
-                                                                   BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+        b_nq = stream_load(QL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+        b_np = stream_load(PL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
+        o_n64, m_n, c, o_b, _, shift, _, interior, _ = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
+                                                                   BLOCK_V)
         lse_q, lse_p = residual_lse(MQ, SQ, MP, SP, o_n64, m_n, NC, NC_PAD)
         kq = tl.zeros([BLOCK_N, 1], tl.float32)
         kp = tl.zeros([BLOCK_N, 1], tl.float32)
@@ -354,13 +352,6 @@ def _residual_mass_kernel(
         b_rq = b_nq
         b_rp = b_np
         t += step
-
-
-@triton.jit
-def backwards(t, n_tiles):
-    """The stream's tile t counted from its end (n_tiles, past the last tile, once t is): the residual masses
-    start with the last chunks, the ones the chunk statistics read last, which the L2 cache may still hold."""
-    return tl.where(t < n_tiles, n_tiles - 1 - t, n_tiles)
 
 
 @triton.jit

@@ -173,6 +173,18 @@ def on_triton_device(fn):
     return call
 
 
+def engine_tokens_and_kernels(model, idx: torch.Tensor, **options) -> tuple[torch.Tensor, set]:
+    """The tokens of a seeded paper-rule ``generate`` through ``Engine(model, **options)`` on the Triton path,
+    and the names of the Triton kernels it launched."""
+    import sigmafast
+
+    with count_variants() as v, sigmafast.kernels.use_backend("triton"):
+        engine = sigmafast.Engine(model, **options)
+        out = sigmafast.generate(engine, idx, 8, num_orders=3, acceptance="paper",
+                                 generator=torch.Generator(idx.device).manual_seed(5))
+    return out, set(v.counts())
+
+
 def record_block_linears(model) -> tuple[list, list]:
     """The names of the blocks' ``nn.Linear`` modules, and a list to which a module's name is appended each
     time it runs (a forward hook on each)."""

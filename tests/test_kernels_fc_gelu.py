@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import sigmafast
-from helpers import count_variants, on_triton_device, tiny_model, triton_device
-from sigmafast import kernels
+from helpers import count_variants, engine_tokens_and_kernels, on_triton_device, tiny_model, triton_device
 from sigmafast.kernels import fc_gelu
 from sigmafast.kernels import reference as ref
 
@@ -83,14 +82,9 @@ def test_engine_with_fused_gelu_launches_it_and_keeps_the_tokens():
     assert sigmafast.Engine(tiny_model(dtype=torch.float32)).fused_gelu is False
     model = tiny_model(vocab_size=7, block_size=12, seed=1, std=0.5, dtype=torch.float32).to(DEVICE)
     idx = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    out, launched = {}, {}
-    for fused in (True, False):
-        with count_variants() as v, kernels.use_backend("triton"):
-            engine = sigmafast.Engine(model, fused_gelu=fused)
-            out[fused] = sigmafast.generate(engine, idx, 8, num_orders=3, acceptance="paper",
-                                            generator=torch.Generator(DEVICE).manual_seed(5))
-        launched[fused] = set(v.counts())
-    assert "_linear_gelu_kernel" in launched[True] and "_linear_gelu_kernel" not in launched[False]
-    assert torch.equal(out[True], out[False])
+    (fused, launched), (plain, launched_plain) = (engine_tokens_and_kernels(model, idx, fused_gelu=f)
+                                                  for f in (True, False))
+    assert "_linear_gelu_kernel" in launched and "_linear_gelu_kernel" not in launched_plain
+    assert torch.equal(fused, plain)
     with pytest.raises(TypeError, match="fused_gelu must be a bool"):
         sigmafast.Engine(model, fused_gelu=1)

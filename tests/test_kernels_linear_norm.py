@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sigmafast
-from helpers import count_variants, on_triton_device, record_block_linears, tiny_model, triton_device
+from helpers import count_variants, engine_tokens_and_kernels, on_triton_device, record_block_linears, tiny_model, triton_device
 from sigmafast import SigmaGPT, SigmaGPTConfig, kernels
 from sigmafast.engine import FusedEnds
 from sigmafast.kernels import linear_norm
@@ -272,16 +272,11 @@ def test_engine_without_fused_ends_keeps_the_matmuls_and_the_tokens():
     assert sigmafast.Engine(tiny_model(dtype=torch.float32)).fused_ends is False
     model = tiny_model(vocab_size=7, block_size=12, seed=1, std=0.5, dtype=torch.float32).to(DEVICE)
     idx = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    out, launched = {}, {}
-    for fused in (True, False):
-        with count_variants() as v, kernels.use_backend("triton"):
-            engine = sigmafast.Engine(model, fused_ends=fused)
-            out[fused] = sigmafast.generate(engine, idx, 8, num_orders=3, acceptance="paper",
-                                            generator=torch.Generator(DEVICE).manual_seed(5))
-        launched[fused] = set(v.counts())
+    (fused, launched), (plain, launched_plain) = (engine_tokens_and_kernels(model, idx, fused_ends=f)
+                                                  for f in (True, False))
     ends = {"_linear_add_norm_kernel", "_mlp_add_norm_kernel"}
-    assert ends <= launched[True] and "_add_layer_norm_kernel" not in launched[True]
-    assert not ends & launched[False] and "_add_layer_norm_kernel" in launched[False]
-    assert torch.equal(out[True], out[False])
+    assert ends <= launched and "_add_layer_norm_kernel" not in launched
+    assert not ends & launched_plain and "_add_layer_norm_kernel" in launched_plain
+    assert torch.equal(fused, plain)
     with pytest.raises(TypeError, match="fused_ends must be a bool"):
         sigmafast.Engine(model, fused_ends=1)

@@ -22,7 +22,7 @@ KERNELS = {
     "_residual_kernel", "_logq_finish_kernel", "_draft_argmax_kernel", "_radix_hist_kernel", "_radix_select_kernel",
     "_chunk_max_kernel", "_pivot_kernel", "_collect_kernel", "_cand_select_kernel", "_topk_logq_kernel",
     "_lm_head_stream_kernel", "_lm_head_finish_kernel", "_commit_kv_kernel", "_commit_state_kernel",
-    "_add_layer_norm_kernel", "_linear_add_norm_kernel", "_mlp_add_norm_kernel",
+    "_add_layer_norm_kernel", "_linear_gelu_kernel", "_linear_add_norm_kernel", "_mlp_add_norm_kernel",
     "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel",
     "_gather_drafts_kernel", "_draft_slots_kernel", "_rotary_kernel",
     "_residual_pick_kernel", "_plan_step_kernel",

@@ -117,7 +117,7 @@ def test_unwritable_out_dir_fails_at_start(tmp_path, monkeypatch, capsys):
         train(small_cfg(folder))
     assert load_script().main(BASE_ARGV + ["--out-dir", str(folder)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: TrainConfig.out_dir '{folder}' is not writable: ") and err.count("\n") == 1, err
+    assert err.startswith(f"error: --out-dir '{folder}' is not writable: ") and err.count("\n") == 1, err
     assert not (folder / "ckpt.pt").exists()
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".write-test")]
 
@@ -134,10 +134,10 @@ def test_char_recipe_order_is_dropped_for_diffusion_and_unused_eval_samples_are_
     assert read_checkpoint(tmp_path / "d" / "ckpt.pt")["train_config"]["order"] == "random"
     assert resolve(TrainConfig(task="char", curriculum_start=0.3), 8).order == "curriculum"  # the recipe's
     assert script.main(char + ["--objective", "diffusion", "--order", "curriculum"]) == 2
-    assert "TrainConfig.order ('curriculum') applies to objective 'sigma' only" in capsys.readouterr().err
+    assert "--order ('curriculum') applies to objective 'sigma' only" in capsys.readouterr().err
     assert script.main(char + ["--num-eval-samples", "4", "--out-dir", str(tmp_path / "n")]) == 2
     err = capsys.readouterr().err
-    assert err == ("error: TrainConfig.num_eval_samples (4) needs a task with a validity metric, and task 'char' "
+    assert err == ("error: --num-eval-samples (4) needs a task with a validity metric, and task 'char' "
                    "has none: pass 0 or leave it out\n")
     assert not (tmp_path / "n" / "ckpt.pt").exists()
 
