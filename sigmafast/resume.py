@@ -47,8 +47,8 @@ def learned_task_kwargs(ckpt: dict) -> dict:
 
 def check_given_fields(cfg: TrainConfig, given: frozenset, task) -> None:
     """A ``ValueError`` for a field the user passed (``given``) that the resolved ``cfg`` or ``task`` would
-    ignore: ``curriculum_start`` or ``curriculum_iters`` without the curriculum order, ``diffusion_noise`` without objective
-    diffusion, ``num_eval_samples`` > 0 on a task without a validity metric."""
+    ignore: ``curriculum_start`` or ``curriculum_iters`` without the curriculum order, ``diffusion_noise``
+    without objective diffusion, ``num_eval_samples`` > 0 on a task without a validity metric."""
     for name in ("curriculum_start", "curriculum_iters"):
         if name in given and getattr(cfg, name) is not None and cfg.order != "curriculum":
             raise ValueError(f"TrainConfig.{name} applies to order 'curriculum' only; this run's order is "

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import sigmafast
-from helpers import count_variants, engine_tokens_and_kernels, on_triton_device, record_block_linears, tiny_model, triton_device
+from helpers import (count_variants, engine_tokens_and_kernels, on_triton_device, record_block_linears, tiny_model,
+                     triton_device)
 from sigmafast import SigmaGPT, SigmaGPTConfig, kernels
 from sigmafast.engine import FusedEnds
 from sigmafast.kernels import linear_norm

@@ -160,7 +160,8 @@ def test_script_flags_given_on_resume_win_even_at_their_defaults(tmp_path, caplo
     caplog.set_level(logging.WARNING, logger="sigmafast.train")
     assert script.main(["--resume", "--out-dir", str(tmp_path), "--max-iters", "3", "--seed", "1337",
                         "--grad-clip", "1.0", "--lr", "1e-3", "--weight-decay", str(before["weight_decay"])]) == 0
-    changed = f"grad_clip: {before['grad_clip']!r} -> 1.0; lr: {before['lr']!r} -> 0.001; seed: {before['seed']!r} -> 1337"
+    changed = (f"grad_clip: {before['grad_clip']!r} -> 1.0; lr: {before['lr']!r} -> 0.001; "
+               f"seed: {before['seed']!r} -> 1337")
     assert [r.getMessage() for r in caplog.records] == [
         f"resuming with changed settings ({changed}): the run goes on with them"]  # not max_iters, nor an equal value
     stored = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
