@@ -99,10 +99,10 @@ def test_resume_continues_the_stored_run_after_the_recipe_changes(tmp_path, monk
     train(TrainConfig(**resumed, max_iters=3))
     now = read_checkpoint(first.checkpoint_path)
     assert now["iter"] == 3 and now["model_config"] == ckpt["model_config"]
-    skip = {"max_iters", "resume", "lr_decay_iters", *train_config.ARCH_FIELDS}  # the model is compared above
+    skip = {"max_iters", "resume", "lr_decay_iters", "curriculum_iters", *train_config.ARCH_FIELDS}  # model: above
     assert {k: v for k, v in now["train_config"].items() if k not in skip} \
         == {k: v for k, v in stored.items() if k not in skip}
-    assert now["train_config"]["lr_decay_iters"] == 3  # derived from the new max_iters
+    assert now["train_config"]["lr_decay_iters"] == now["train_config"]["curriculum_iters"] == 3  # the new max_iters
     train(TrainConfig(**resumed, max_iters=4, loss_weighting="visited", lr=2e-3))  # explicit flags win
     now = read_checkpoint(first.checkpoint_path)["train_config"]
     assert (now["loss_weighting"], now["lr"], now["min_lr"]) == ("visited", 2e-3, 2e-4)
