@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES
-from .linear_norm import SQRT1_2, linear_tile
+from .linear_norm import addmm_gelu, linear_tile
 from .step_checks import check_linear_gelu
 from .utils import gdc_enter, pdl_meta
 
@@ -45,10 +45,7 @@ def _linear_gelu_kernel(
     o_f = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
     m_m, m_f = o_m < N, o_f < F
     b_acc = linear_tile(X, W, o_m, o_f, m_m, m_f, s_x, K, BLOCK_M, BLOCK_F, BLOCK_K, DOT_PREC)  # (BLOCK_M, BLOCK_F)
-    if HAS_BIAS:
-        b_acc += tl.load(BIAS + o_f, mask=m_f, other=0.0).to(tl.float32)[None, :]
-    b_a = b_acc.to(Y.dtype.element_ty).to(tl.float32)  # the eager addmm's rounding
-    b_g = 0.5 * b_a * (1.0 + tl.math.erf(b_a * SQRT1_2))
+    b_g = addmm_gelu(b_acc, BIAS, o_f, m_f, Y, HAS_BIAS)
     tl.store(Y + o_m[:, None] * F + o_f[None, :], b_g.to(Y.dtype.element_ty), mask=m_m[:, None] & m_f[None, :])
 
 

@@ -102,6 +102,16 @@ def linear_tile(X, W, o_m, o_n, m_m, m_n, s_x, K: tl.constexpr, BLOCK_M: tl.cons
     return b_acc
 
 
+@triton.jit
+def addmm_gelu(b_acc, BIAS, o_n, m_n, Y, HAS_BIAS: tl.constexpr):
+    """The exact (erf) GELU, in float32, of the float32 tile ``b_acc`` plus the bias of columns ``o_n`` (masked:
+    0) rounded to Y's dtype first, as the eager addmm's output is."""
+    if HAS_BIAS:
+        b_acc += tl.load(BIAS + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    b_a = b_acc.to(Y.dtype.element_ty).to(tl.float32)
+    return 0.5 * b_a * (1.0 + tl.math.erf(b_a * SQRT1_2))
+
+
 @triton.jit(do_not_specialize=["N", "s_x", "s_y", "s_w", "s_q"])
 def _linear_add_norm_kernel(
     X, Y, W, BIAS, LW, LB, S, H, WQ, BQ, Q,
@@ -140,10 +150,7 @@ def _mlp_add_norm_kernel(
         m_f = o_f < F
         b_w1t = tl.load(W1 + o_f[None, :] * C + o_c[:, None], mask=m_c[:, None] & m_f[None, :], other=0.0)
         b_a = tl.dot(b_h, b_w1t, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_F) pre-activations
-        if HAS_BIAS:
-            b_a += tl.load(B1 + o_f, mask=m_f, other=0.0).to(tl.float32)[None, :]
-        b_a = b_a.to(Y.dtype.element_ty).to(tl.float32)
-        b_g = (0.5 * b_a * (1.0 + tl.math.erf(b_a * SQRT1_2))).to(W2.dtype.element_ty)  # masked columns: 0
+        b_g = addmm_gelu(b_a, B1, o_f, m_f, Y, HAS_BIAS).to(W2.dtype.element_ty)  # masked columns: 0
         b_w2t = tl.load(W2 + o_c[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_c[None, :], other=0.0)
         b_acc = tl.dot(b_g, b_w2t, b_acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_C)
     if HAS_BIAS:

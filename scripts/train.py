@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import re
+import signal
 import sys
 import typing
 
@@ -66,8 +67,10 @@ def main(argv: typing.Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second SIGINT: the trainer logged that it exits without a checkpoint
-        return 130
-    return 130 if result.interrupted else 0
+        return 128 + signal.SIGINT
+    if not result.interrupted:
+        return 0
+    return 128 + (signal.SIGINT if result.stop_signal is None else result.stop_signal)  # the shell's convention
 
 
 if __name__ == "__main__":

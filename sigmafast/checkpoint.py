@@ -6,9 +6,9 @@ import os
 import re
 import uuid
 import zipfile
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from .model import SigmaGPTConfig
 from .train_config import TrainConfig
 
 CKPT_NAME = "ckpt.pt"
+LOCK_NAME = ".lock"
 REQUIRED_KEYS = frozenset(
     {"model", "optimizer", "model_config", "train_config", "task", "iter", "rng", "best_val_loss", "history"}
 )
@@ -81,6 +82,34 @@ def check_writable(folder) -> None:
     with open(probe, "xb"):
         pass
     os.unlink(probe)
+
+
+@contextmanager
+def out_dir_lock(out_dir) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``out_dir/.lock`` for one training run (the kernel drops it when the
+    process ends, however it ends, so it never goes stale); a ``ValueError`` naming the holder's process id
+    when another run holds it. A no-op where ``fcntl`` is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        f = open(Path(out_dir) / LOCK_NAME, "a+")
+    except OSError as e:
+        raise ValueError(f"TrainConfig.out_dir {str(out_dir)!r} is not writable: {e}") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise ValueError(f"TrainConfig.out_dir {str(out_dir)!r} is in use by another training run (process "
+                             f"{holder}): wait for it to end, or pick another out_dir") from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
 
 
 def load_error_reason(error: Exception) -> str:

@@ -16,6 +16,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signum: Optional[int] = None  # the first signal's number
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
@@ -25,7 +26,7 @@ class StopRequest:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
-        self.requested = True
+        self.requested, self.signum = True, signum
         log.warning("%s received: saving a checkpoint and stopping (send it again to exit at once)", name)
 
     def __enter__(self) -> "StopRequest":

@@ -14,7 +14,7 @@ import gc
 import logging
 import math
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +29,7 @@ from .batches import (
 )
 from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, check_new_run, check_writable, checkpoint_path, load_checkpoint,
-    read_resumed, rng_state, set_rng_state, task_record,
+    out_dir_lock, read_resumed, rng_state, set_rng_state, task_record,
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
@@ -59,6 +59,7 @@ class TrainResult:
     checkpoint_path: Path
     train_log: list[dict] = field(default_factory=list)
     interrupted: bool = False
+    stop_signal: Optional[int] = None  # the signal that stopped this process (None: not stopped, or by another rank)
 
 
 def build_model_config(cfg: TrainConfig, task) -> SigmaGPTConfig:
@@ -119,8 +120,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     layout = init_layout(cfg.device)
     trainer = None
     try:
-        with StopRequest() as stop:
-            trainer = _Trainer(cfg, layout, stop)
+        with StopRequest() as stop, ExitStack() as held:
+            trainer = _Trainer(cfg, layout, stop, held)
             return trainer.run()
     finally:
         trainer = None  # its DDP wrapper holds the process group: free it before the group is destroyed,
@@ -129,10 +130,13 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 class _Trainer:
-    def __init__(self, user_cfg: TrainConfig, layout: Layout, stop: StopRequest) -> None:
+    def __init__(self, user_cfg: TrainConfig, layout: Layout, stop: StopRequest, held: ExitStack) -> None:
         from .tasks import get_task
 
         self.layout, self.stop, self.device = layout, stop, layout.device
+        locked = layout.is_main and Path(user_cfg.out_dir).is_dir()
+        if locked:  # before reading a checkpoint that another run may be writing
+            held.enter_context(out_dir_lock(user_cfg.out_dir))
         check_new_run(user_cfg)  # without --resume, never replace a checkpoint unasked
         given = user_cfg.explicit_fields()
         ckpt = read_resumed(user_cfg) if user_cfg.resume else None
@@ -166,6 +170,9 @@ class _Trainer:
                 check_writable(self.path.parent)
             except OSError as e:
                 raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} is not writable: {e}") from None
+            if not locked:
+                held.enter_context(out_dir_lock(cfg.out_dir))
+                check_new_run(cfg)  # another run may have saved there since the first check
         if ckpt is not None:
             check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective,
                              cfg.diffusion_config())
@@ -408,4 +415,5 @@ class _Trainer:
         if it > self.start_iter or (stopped and not cfg.resume) or (final_only and not stopped):
             self.save(it)  # stopped in the first evaluation: the initial state, so that --resume continues it
         self.model.eval()
-        return TrainResult(self.model, self.task, self.history, self.path, self.train_log, stopped)
+        return TrainResult(self.model, self.task, self.history, self.path, self.train_log, stopped,
+                           self.stop.signum if stopped else None)

@@ -1,18 +1,21 @@
 """Checkpoints: contents, atomic writes, loading, and the errors of unreadable files."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from sigmafast.checkpoint import atomic_save, read_checkpoint
+import sigmafast.train as train_mod
+from sigmafast.checkpoint import atomic_save, out_dir_lock, read_checkpoint
 from sigmafast.train import load_checkpoint, train
 from helpers import small_cfg
 
 
 def test_checkpoint_contents_and_load(tmp_path):
     result = train(small_cfg(tmp_path, max_iters=5))
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "ckpt.pt"]
     ckpt = read_checkpoint(tmp_path / "ckpt.pt")
     assert ckpt["iter"] == 5 and len(ckpt["rng"]) == 1
     assert set(ckpt["best_val_loss"]) == {"random", "l2r"}
@@ -110,3 +113,48 @@ def test_load_checkpoint_refuses_the_meta_device(trained_dir):
         load_checkpoint(trained_dir / "ckpt.pt", device="meta")
     with pytest.raises(ValueError, match="device 'meta' holds no data"):
         load_checkpoint(trained_dir / "ckpt.pt", device=torch.device("meta"))
+
+
+def test_a_second_run_in_a_held_out_dir_stops_before_reading_or_writing(tmp_path):
+    """Another process holds the folder's lock: a second run stops at start, naming its process id, and
+    neither resumes from nor replaces the checkpoint; once the holder ends, the run resumes."""
+    train(small_cfg(tmp_path, max_iters=2))
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from sigmafast.checkpoint import out_dir_lock\n"
+         "with out_dir_lock(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for cfg in (small_cfg(tmp_path, max_iters=4, resume=True), small_cfg(tmp_path, overwrite=True)):
+            with pytest.raises(ValueError, match=rf"out_dir '{tmp_path}' is in use by another training run "
+                                                 rf"\(process {holder.pid}\)"):
+                train(cfg)
+        assert (tmp_path / "ckpt.pt").read_bytes() == before
+    finally:
+        holder.communicate("")
+    assert train(small_cfg(tmp_path, max_iters=4, resume=True)).history[-1]["iter"] == 4
+
+
+def test_a_run_releases_the_lock_even_when_it_fails(tmp_path):
+    train(small_cfg(tmp_path, max_iters=2))
+    with pytest.raises(ValueError, match="already holds a checkpoint"):  # raised with the lock held
+        train(small_cfg(tmp_path, max_iters=2))
+    with out_dir_lock(tmp_path):
+        pass
+
+
+def test_a_new_folder_is_checked_again_once_locked(tmp_path, monkeypatch):
+    """The out_dir did not exist at the first check; a run that saved there before this one took the lock is
+    not overwritten."""
+    folder = tmp_path / "new"
+    real_lock = train_mod.out_dir_lock
+
+    def lock_after_another_run(out_dir):
+        atomic_save({"iter": 3}, folder / "ckpt.pt")
+        return real_lock(out_dir)
+
+    monkeypatch.setattr(train_mod, "out_dir_lock", lock_after_another_run)
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        train(small_cfg(folder, max_iters=2))
+    assert torch.load(folder / "ckpt.pt") == {"iter": 3}

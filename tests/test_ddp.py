@@ -67,7 +67,7 @@ def test_ddp_two_cpu_ranks_match_single_process(tmp_path, monkeypatch):
     for p_ddp, p_single in zip(ranks[0]["params"], single.model.parameters()):
         torch.testing.assert_close(p_ddp, p_single.detach(), rtol=1e-4, atol=1e-5)
 
-    assert sorted(os.listdir(ddp_out)) == ["ckpt.pt"]
+    assert sorted(os.listdir(ddp_out)) == [".lock", "ckpt.pt"]  # rank 0 holds the lock
     ckpt = read_checkpoint(ddp_out / "ckpt.pt")
     assert ckpt["iter"] == 6 and len(ckpt["rng"]) == WORLD
 

@@ -27,7 +27,8 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         signals_at_step(mp, 4, signal.SIGTERM)
         first = train(small_cfg(tmp_path / "b", **kw))
-    assert first.interrupted and signal.getsignal(signal.SIGTERM) is handler_before
+    assert first.interrupted and first.stop_signal == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is handler_before
     assert read_checkpoint(first.checkpoint_path)["iter"] == 5
     assert sorted(losses(first)) == list(range(5))
 

@@ -132,6 +132,13 @@ def test_script_sigint_saves_checkpoint_and_exits(tmp_path, monkeypatch, capsys)
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_script_sigterm_saves_checkpoint_and_exits_with_143(tmp_path, monkeypatch):
+    signals_at_step(monkeypatch, 1, signal.SIGTERM)
+    code = load_script().main(BASE_ARGV + ["--max-iters", "50", "--out-dir", str(tmp_path)])
+    assert code == 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM
+    assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 2
+
+
 def test_script_second_sigint_exits_at_once_without_a_traceback(tmp_path, monkeypatch, capsys):
     signals_at_step(monkeypatch, 1, signal.SIGINT, signal.SIGINT)
     handler_before = signal.getsignal(signal.SIGINT)
