@@ -106,7 +106,8 @@ STRATEGIES = {
 # CUDA only: inductor's compile time is minutes on a small CPU; a burst compiles once per R bucket, so B = 1 only
 COMPILED = {"ar-inductor": "inductor", "burst-inductor": "inductor"}
 FUSED = ("ar-fused", "burst-fused")  # CUDA only (the Triton path), narrow shapes only (GPT-2 is never fused)
-ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()}, "burst-lookahead": dict(lookahead=True),
+ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()},
+                  "burst-lookahead": dict(lookahead=True, buckets=True),  # buckets: CUDA's default, the CPU's too
                   **{s: dict(fused_ends=True) for s in FUSED}, "burst-fused-scoring": dict(scoring="fused"),
                   "burst-auto-scoring": dict(scoring="auto"),
                   "ar-pdl": dict(pdl=True), "burst-pdl": dict(pdl=True),

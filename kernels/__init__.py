@@ -120,21 +120,26 @@ def backend_for(t: torch.Tensor) -> str:
             return "triton"
         interpreted = os.environ.get("TRITON_INTERPRET") == "1" and t.dtype != torch.bfloat16
         return "triton" if interpreted else "reference"
-    if name == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
-            f"for tensors on {t.device}"
-        )
+    if name == "triton":
+        _check_triton_device(t, "the triton backend")
     return name
 
 
+def _check_triton_device(t: torch.Tensor, what: str) -> None:
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{what} needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported, for "
+                         f"tensors on {t.device}")
+
+
 def _resolve(backend: Optional[str], t: torch.Tensor) -> str:
-    """An explicit ``backend`` as is (no environment or context read: safe in traced code), else
+    """An explicit ``backend`` as is (the environment is read outside traced code only), else
     :func:`backend_for`."""
     if backend is None:
         return backend_for(t)
     if backend not in ("triton", "reference"):
         raise ValueError(f"backend must be None, 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" and not torch.compiler.is_compiling():
+        _check_triton_device(t, "backend='triton'")
     return backend
 
 

@@ -25,13 +25,16 @@ def describe(t) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def check_norm(weight, bias, eps, C: int, device) -> Optional[torch.Tensor]:
-    """A LayerNorm's (C,) weight and bias (each may be None) and eps; returns the bias with a unit stride, as
-    the kernels read it."""
+def check_norm(weight, bias, eps, C: int, device, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A LayerNorm's (C,) weight and bias (each may be None) of the normalised tensor's ``dtype`` (or float32
+    when that is a 16-bit dtype, as under autocast) and eps; returns the bias with a unit stride, as the
+    kernels read it."""
+    allowed = (dtype, torch.float32) if dtype in (torch.float16, torch.bfloat16) else (dtype,)
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (C,) or not t.is_floating_point()
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (C,) or t.dtype not in allowed
                               or t.device != device):
-            raise ValueError(f"{name} must be None or a float ({C},) tensor on {device}, got {describe(t)}")
+            kinds = " or ".join(str(d) for d in allowed)
+            raise ValueError(f"{name} must be None or a ({C},) {kinds} tensor on {device}, got {describe(t)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     return bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
@@ -113,7 +116,7 @@ def check_add_layer_norm(x, y, weight, bias, eps, dtypes: tuple = REFERENCE_DTYP
     check_float("x", x, x.ndim, dtypes)
     check_same("y", y, "x", x)
     _check_width("x's last dimension", x.shape[-1], max_width)
-    return check_norm(weight, bias, eps, x.shape[-1], x.device)
+    return check_norm(weight, bias, eps, x.shape[-1], x.device, x.dtype)
 
 
 def check_linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, next_weight=None, next_bias=None,
@@ -128,7 +131,7 @@ def check_linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, next_
         raise ValueError(f"y must be a {(*x.shape[:-1], 'K')} {x.dtype} tensor on {x.device} with K in {bound}, "
                          f"got {describe(y)}")
     check_linear("", weight, bias, (C, y.shape[-1]), x, unit_stride)
-    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
+    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device, x.dtype)
     check_next(next_weight, next_bias, next_out, x.shape[:-1], x, max_inner, unit_stride)
     return norm_bias
 
@@ -152,7 +155,7 @@ def check_mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_we
     check_linear("proj_", proj_weight, proj_bias, (C, F), x, unit_stride)
     if (fc_bias is None) != (proj_bias is None):
         raise ValueError("fc_bias and proj_bias must be both given or both None")
-    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device)
+    norm_bias = check_norm(norm_weight, norm_bias, eps, C, x.device, x.dtype)
     check_next(next_weight, next_bias, next_out, x.shape[:-1], x, max_inner, unit_stride)
     return norm_bias
 
@@ -202,7 +205,7 @@ def check_feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out,
     if pe_in is not None:
         _check_table("pe_in", pe_in, C // 2, wte.dtype, device)
         _check_table("pe_out", pe_out, C // 2, wte.dtype, device)
-    bias = check_norm(weight, bias, eps, C, device)
+    bias = check_norm(weight, bias, eps, C, device, wte.dtype)
     if next_weight is not None and next_max_width is not None and C > next_max_width:
         raise ValueError(f"next_weight needs wte's width at most {next_max_width} (whole rows per program), got {C}")
     check_next(next_weight, next_bias, next_out, (B, G, S), wte, max_inner, unit_stride)
@@ -221,6 +224,9 @@ def check_rotary(q, k, v, pos_q, pos_k, cos, sin, dtypes: tuple = REFERENCE_DTYP
         if t is not None and (not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype
                               or t.device != q.device):
             raise ValueError(f"{name} must be None or a tensor like q ({describe(q)}), got {describe(t)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):  # rotated in place: an expanded view's rows share memory
+        if t is not None and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"{name} must not be an expanded view (it is rotated in place), got strides {t.stride()}")
     lead = (*q.shape[:-3], q.shape[-2])
     for name, p in (("pos_q", pos_q), ("pos_k", pos_k)):
         if p is None and name == "pos_k" and k is None and v is None:
@@ -278,6 +284,12 @@ def check_commit(orders, choice, n, tokens, keys, values, canvas, known, last_to
             or known.device != device:
         raise ValueError(f"known must be a bool tensor of the canvas's shape {tuple(canvas.shape)}, "
                          f"got {describe(known)}")
+    for name, t in (("canvas", canvas), ("known", known)):  # written in place at canvas + b * stride(0) + pos
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along T (written in place), got strides {t.stride()}")
+    for name, t in (("last_tok", last_tok), ("last_pos", last_pos), ("lens", lens)):  # read/written at row b
+        if B > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous (written in place), got stride {t.stride()}")
     if not isinstance(k_cache, torch.Tensor) or k_cache.ndim != 5 or k_cache.shape[1] != B \
             or k_cache.device != device:
         raise ValueError(f"k_cache must be an (n_layer, B={B}, H, L + 1, D) tensor on {device}, "

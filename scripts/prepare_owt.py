@@ -144,7 +144,7 @@ def write_documents(docs: Iterable[str], outputs: dict[str, Path], val_docs: Opt
 
 
 def prepare_from_text(files: Sequence[str], data_dir: Path, val_fraction: float, num_threads: int) -> dict[str, int]:
-    texts = [read_text(name, "--from-text") for name in files]
+    texts = [read_text(name, "--from-text", exact=True) for name in files]
     enc = gpt2_encoding()
     tokens = np.concatenate(encode_documents(texts, enc, num_threads, desc="tokenising"))
     cut = utf8_safe_cut(tokens, int(round(len(tokens) * (1.0 - val_fraction))), enc)

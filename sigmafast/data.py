@@ -41,15 +41,16 @@ def gpt2_encoding():
         ) from exc
 
 
-def read_text(path: PathLike, what: str) -> str:
-    """The UTF-8 content of a non-empty text file; ``what`` names it in the errors."""
+def read_text(path: PathLike, what: str, exact: bool = False) -> str:
+    """The UTF-8 content of a non-empty text file; ``what`` names it in the errors. Line ends become "\\n"
+    unless ``exact`` (then the text is the file's, "\\r\\n" included)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{what}: {path} is a folder, not a text file")
     if not path.is_file():
         raise FileNotFoundError(f"{what}: {path} does not exist")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8") if exact else path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{what}: {path} is not UTF-8 text ({exc})") from exc
     if not text:

@@ -192,6 +192,9 @@ class Engine(EagerRunner):
             self._ar_step = _compile_step(steps.ar_step, compile_steps)
         if not isinstance(lookahead, bool):
             raise TypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
+        if lookahead and not self.buckets:
+            raise ValueError("lookahead=True needs buckets=True (with exact shapes, each status is read before the "
+                             "next launch)")
         self.lookahead = lookahead
         for name, flag in (("fused_ends", fused_ends), ("fused_gelu", fused_gelu)):
             if not isinstance(flag, bool):

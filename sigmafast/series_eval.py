@@ -1,7 +1,9 @@
 """Prompted generation error on value tasks (``vertical_rate``, ``series``), as in the σ-GPT paper.
 
 For each prompt fraction f and autoregressive order, every one of
-``num_sequences`` validation sequences is given its task prompt (the aircraft
+``num_sequences`` distinct validation sequences (``task.val_sequences``: rows
+of a synthetic task's validation set, windows of a series that share no value)
+is given its task prompt (the aircraft
 type for ``vertical_rate``, nothing for ``series``) and its first
 ``floor(f * n)`` values (n = the number of value positions); the rest is
 sampled ``samples_per_sequence`` times with
@@ -62,14 +64,14 @@ def prompt_known(task, fraction: float) -> torch.Tensor:
     """(T,) bool: the task's prompt and the first ``floor(fraction * n)`` of its n value positions."""
     values = task.value_positions
     rank = values.long().cumsum(0) - 1  # index of each value position among them
-    n_given = math.floor(fraction * int(values.sum()))
+    n_given = math.floor(fraction * int(values.sum()) + 1e-9)  # 0.29 * 100 is 28.999999999999996
     return task.prompt_mask | (values & (rank < n_given))
 
 
 def _check_value_task(task) -> None:
-    if not hasattr(task, "bins") or not hasattr(task, "value_positions"):
-        raise TypeError(f"task must be a value task with bins and value_positions (vertical_rate, series), "
-                        f"got {getattr(task, 'name', type(task).__name__)!r}")
+    if not all(hasattr(task, a) for a in ("bins", "value_positions", "val_sequences")):
+        raise TypeError(f"task must be a value task with bins, value_positions and val_sequences (vertical_rate, "
+                        f"series), got {getattr(task, 'name', type(task).__name__)!r}")
 
 
 def _check_args(fractions, orders, samples_per_sequence, num_sequences, generator) -> None:
@@ -98,13 +100,13 @@ def evaluate_prompted(
 ) -> list[PromptedResult]:
     """One :class:`PromptedResult` per (fraction, order), fractions outermost (see the module docstring).
 
-    The validation sequences are ``task.sample_batch(num_sequences, "val", generator)``; all draws come
+    The validation sequences are ``task.val_sequences(num_sequences, generator)``; all draws come
     from ``generator`` (the global RNG when None), so a seeded generator gives a reproducible table.
     """
     _check_value_task(task)
     _check_args(fractions, orders, samples_per_sequence, num_sequences, generator)
     _, _, device = model_limits(model)
-    truth = task.sample_batch(num_sequences, "val", generator).to(device)  # (N, T)
+    truth = task.val_sequences(num_sequences, generator).to(device)  # (N, T), distinct
     rows = truth.repeat_interleave(samples_per_sequence, dim=0)  # (N * S, T)
     value_pos = task.value_positions.to(device)
     true_values = task.bins.decode(rows[:, value_pos])  # (N * S, n)

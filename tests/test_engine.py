@@ -250,6 +250,8 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, max_sessions=True)
     with pytest.raises(TypeError, match="lookahead must be a bool"):
         sigmafast.Engine(model, lookahead=1)
+    with pytest.raises(ValueError, match="lookahead=True needs buckets=True"):
+        sigmafast.Engine(model, lookahead=True, buckets=False)
     with pytest.raises(TypeError, match="buckets must be None or a bool, got str"):
         sigmafast.Engine(model, buckets="false")
     with pytest.raises(TypeError, match="cuda_graphs must be None or a bool, got int"):

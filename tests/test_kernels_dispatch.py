@@ -179,6 +179,12 @@ def test_explicit_backend_argument(name, monkeypatch):
             call(backend=bad)
 
 
+def test_explicit_triton_backend_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1"):
+        kernels.sample(torch.randn(3, 37), torch.rand(3), backend="triton")
+
+
 def _commit_sample(g: torch.Generator) -> tuple:
     """Arguments of ``sigmafast::commit``: 2 rows, 3 orders of 4 steps, a 2-layer cache of 10 + 1 slots, and a
     residual token at step 3 of row 0."""

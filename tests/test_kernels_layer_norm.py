@@ -76,8 +76,11 @@ def test_add_layer_norm_normalises():
 @pytest.mark.parametrize("bad,match", [
     (dict(y=torch.zeros(3, 9)), "y must have the shape of x"),
     (dict(y=torch.zeros(3, 8, dtype=torch.float16)), "y must have the dtype of x"),
-    (dict(weight=torch.ones(9)), "weight must be None or a float \\(8,\\)"),
-    (dict(bias=torch.ones(8, dtype=torch.long)), "bias must be None or a float"),
+    (dict(weight=torch.ones(9)), "weight must be None or a \\(8,\\) torch.float32 tensor"),
+    (dict(bias=torch.ones(8, dtype=torch.long)), "bias must be None or a \\(8,\\) torch.float32 tensor"),
+    (dict(weight=torch.ones(8, dtype=torch.float64)), "weight must be None or a \\(8,\\) torch.float32 tensor"),
+    (dict(x=torch.zeros(3, 8, dtype=torch.float16), y=torch.zeros(3, 8, dtype=torch.float16),
+          bias=torch.ones(8, dtype=torch.bfloat16)), "bias must be None or a \\(8,\\) torch.float16 or torch.float32"),
     (dict(eps=0.0), "eps must be a positive float"),
     (dict(x=torch.zeros(3, 8, dtype=torch.float64), y=torch.zeros(3, 8, dtype=torch.float64)), "x must be float32"),
 ])

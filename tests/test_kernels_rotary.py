@@ -142,6 +142,21 @@ def test_rotary_rejects_bad_input(change, match):
         rotary.rotary_(**args)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("name", ["q", "k"])
+def test_rotary_refuses_an_expanded_view_on_both_backends(name, backend):
+    """The rows of an expanded tensor share memory: rotating them in place would turn it once per row."""
+    g = torch.Generator().manual_seed(0)
+    qk = {n: torch.randn(2, 3, 5, 8, generator=g).to(DEVICE) for n in ("q", "k")}
+    qk[name] = qk[name][:1].expand(2, 3, 5, 8)
+    before = qk[name].clone()
+    pos = torch.randint(0, 20, (2, 5), generator=g).to(DEVICE)
+    cos, sin = (torch.rand(20, 4, generator=g).to(DEVICE) for _ in range(2))
+    with pytest.raises(ValueError, match=f"{name} must not be an expanded view"):
+        kernels.rotary_(qk["q"], qk["k"], None, pos, pos, cos, sin, backend=backend)
+    assert torch.equal(qk[name], before)
+
+
 @pytest.mark.parametrize("pos_encoding", ["rope", "rope-v", "rope-v+learned"])
 @pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
 def test_engine_rotary_kernels_give_the_reference_backends_tokens(pos_encoding, strategy):

@@ -37,11 +37,11 @@ def test_from_text_round_trip(shakespeare_bins, enc, shakespeare):
 
 
 def test_from_text_several_files_and_utf8_cut(tmp_path, enc):
-    texts = ["naïve café — 東京の夜\n" * 40, "second document 🎉\nπ ≈ 3.14159\n" * 30]
+    texts = ["naïve café — 東京の夜\n" * 40, "second document 🎉\r\nπ ≈ 3.14159\r\n" * 30]  # CRLF kept
     files = []
     for i, text in enumerate(texts):
         files.append(tmp_path / f"doc{i}.txt")
-        files[-1].write_text(text, encoding="utf-8")
+        files[-1].write_bytes(text.encode("utf-8"))
     expected = "".join(t + "<|endoftext|>" for t in texts)
     for fraction in ("0.05", "0.13", "0.5", "0.77"):
         out = tmp_path / f"out{fraction}"

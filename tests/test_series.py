@@ -241,10 +241,37 @@ class MarginalOracle(Oracle):
         return self.probs.to(canvas.device).expand(*positions.shape, len(self.probs))
 
 
-def test_prompt_known(vr):
+def test_prompt_known(vr, tmp_path):
     n = vr.seq_len - 1
     assert prompt_known(vr, 0.0).tolist() == [True] + [False] * n
     assert prompt_known(vr, 0.5).tolist() == [True] * (1 + n // 2) + [False] * (n - n // 2)
+    hundred = get_task("series", csv=str(write_csv(tmp_path / "long.csv", range(600))), column="value", seq_len=100)
+    assert [int(prompt_known(hundred, f).sum()) for f in (0.29, 0.57, 0.58)] == [29, 57, 58]  # 0.29 * 100 < 29
+
+
+def test_validation_sequences_are_distinct(vr, ramp_csv):
+    """The CI of evaluate_prompted takes its sequences as independent: no row twice, no shared value."""
+    rows = vr.val_sequences(64, gen(1))
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, vr.sample_batch(64, "val").tolist()))  # all, once
+    assert not torch.equal(rows, vr.val_sequences(64, gen(2))) and torch.equal(rows, vr.val_sequences(64, gen(1)))
+    with pytest.raises(ValueError, match="num_sequences \\(65\\) exceeds the 64 validation rows"):
+        vr.val_sequences(65, gen(1))
+    series = get_task("series", csv=str(ramp_csv), column="value", seq_len=8, value_range=(0.0, 256.0))
+    tokens = series.val_sequences(5, gen(3))  # (5, 8) of the val split's values 160..199, one bin per value
+    assert torch.equal(tokens - tokens[:, :1], torch.arange(8).expand(5, 8))
+    assert torch.equal(tokens[:, 0].sort().values.diff(), torch.full((4,), 8))  # 5 windows side by side
+    with pytest.raises(ValueError, match="num_sequences \\(6\\) exceeds the 5 windows of seq_len=8 that share no"):
+        series.val_sequences(6, gen(3))
+
+
+def test_series_csv_with_a_byte_order_mark_or_not_utf8(tmp_path):
+    bom = tmp_path / "bom.csv"
+    bom.write_text("time,value\n" + "".join(f"{i},{i}\n" for i in range(50)), encoding="utf-8-sig")
+    assert get_task("series", csv=str(bom), column="time", seq_len=8).split_values("train")[:3].tolist() == [0, 1, 2]
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("caf\u00e9,value\n".encode("latin-1") + b"".join(b"%d,%d\n" % (i, i) for i in range(50)))
+    with pytest.raises(ValueError, match=f"series task: {latin} is not UTF-8 text"):
+        get_task("series", csv=str(latin), column="value", seq_len=8)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
@@ -256,7 +283,7 @@ def test_prompted_mse_matches_the_exact_law(vr, fraction):
     state = g.get_state()
     N, S = 12, 20
     results = evaluate_prompted(MarginalOracle(vr, probs), vr, [fraction], ["random", "fractal"], S, N, g)
-    truth = vr.sample_batch(N, "val", torch.Generator().set_state(state))
+    truth = vr.val_sequences(N, torch.Generator().set_state(state))
     y = vr.bins.decode(truth[:, 1:])  # (N, n)
     c = vr.bins.decode(support)  # (4,)
     sq = (c[None, None] - y[..., None]).square()  # (N, n, 4)

@@ -73,6 +73,12 @@ def test_bad_task_arguments(name, kwargs):
         get_task(name, **kwargs)
 
 
+def test_maze_walls_that_do_not_fit_are_an_error_not_a_hang():
+    task = get_task("maze", height=5, width=5, n_walls=3, min_distance=2)
+    with pytest.raises(ValueError, match=r"n_walls=3: 200 attempts failed .* in a 5x5 maze"):
+        task.sample_batch(1, "train", gen(0))
+
+
 # ---------------------------------------------------------------- generators
 
 

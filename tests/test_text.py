@@ -40,6 +40,13 @@ def test_token_file_task_windows_are_contiguous_and_deterministic(tmp_path):
         task.sample_batch(2, "test")
 
 
+def test_token_file_task_decode_rejects_ids_outside_the_vocabulary(tmp_path, enc):
+    task = TokenFileTask("owt", data_dir=tmp_path, seq_len=16)  # decoding needs no data
+    for bad in ([50257], [3, -1]):
+        with pytest.raises(ValueError, match=rf"token ids \[{bad[-1]}\] are outside \[0, 50257\)"):
+            task.decode(bad)
+
+
 def test_token_window_can_cover_the_whole_file(tmp_path):
     _write_split_files(tmp_path, 16, 16)
     task = TokenFileTask("owt", data_dir=tmp_path, seq_len=16)
@@ -144,6 +151,15 @@ def test_char_task_bad_files(content, match, tmp_path):
     path.write_text(content, encoding="utf-8")
     with pytest.raises(ValueError, match=match):
         CharTask(path, seq_len=64)
+
+
+@pytest.mark.parametrize("chars", ["cba", "aabc"], ids=["unsorted", "duplicated"])
+def test_char_task_vocabulary_must_be_sorted_and_distinct(chars, tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("abc" * 100, encoding="utf-8")
+    with pytest.raises(ValueError, match="chars must list distinct characters in code-point order"):
+        CharTask(path, seq_len=8, chars=chars)
+    assert CharTask(path, seq_len=8, chars="abcd").encode("abc") == [0, 1, 2]
 
 
 def test_char_task_needs_an_existing_utf8_file(tmp_path):

@@ -7,6 +7,18 @@ from typing import Optional
 import torch
 
 
+def distinct_indices(num: int, total: int, generator: Optional[torch.Generator], what: str) -> torch.Tensor:
+    """(num,) int64 CPU indices of ``num`` distinct items among ``total``, drawn with ``generator`` (the first
+    ``num`` when None); a ``ValueError`` naming ``what`` the items are when there are fewer than ``num``."""
+    if not isinstance(num, int) or isinstance(num, bool) or num < 1:
+        raise ValueError(f"num_sequences must be an int >= 1, got {num!r}")
+    if num > total:
+        raise ValueError(f"num_sequences ({num}) exceeds the {total} {what}")
+    if generator is None:
+        return torch.arange(num)
+    return torch.randperm(total, generator=generator, device=generator.device)[:num].cpu()
+
+
 class Task:
     """A source of (B, T) token sequences with a reserved BOS id.
 

@@ -30,6 +30,7 @@ from .synthetic import SyntheticTask, check_int, token_list
 
 EMPTY, WALL, START, GOAL, PATH = range(5)
 CHARS = {EMPTY: " ", WALL: "#", START: "S", GOAL: "G", PATH: "*"}
+MAX_RESTARTS = 200  # mazes started over for one row before n_walls is deemed infeasible (the default: <= 3)
 _MOVES = np.array([(-1, 0), (1, 0), (0, -1), (0, 1)])
 
 
@@ -126,6 +127,7 @@ class MazeTask(SyntheticTask):
         walls = np.repeat(border[None], batch_size, axis=0)
         placed = np.zeros(batch_size, dtype=np.int64)
         tries = np.zeros(batch_size, dtype=np.int64)
+        restarts = np.zeros(batch_size, dtype=np.int64)
         max_k = max(h, w) // 4
         k = np.arange(2 * max_k + 1)  # cell index along a segment
         while (placed < self.n_walls).any():
@@ -148,6 +150,10 @@ class MazeTask(SyntheticTask):
             placed[todo[ok]] += 1
             tries[todo] += 1
             stuck = todo[tries[todo] > 10 * self.n_walls]
+            restarts[stuck] += 1
+            if stuck.size and restarts.max() > MAX_RESTARTS:
+                raise ValueError(f"n_walls={self.n_walls}: {MAX_RESTARTS} attempts failed to place that many walls "
+                                 f"in a {h}x{w} maze; use fewer walls or a larger maze")
             walls[stuck] = border
             placed[stuck] = 0
             tries[stuck] = 0

@@ -26,6 +26,7 @@ is gone.
 from __future__ import annotations
 
 import csv as csv_module
+import io
 import functools
 import math
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from ..data import sample_windows
-from .base import Task
+from .base import Task, distinct_indices
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,11 @@ def read_column(path: Union[str, Path], column: str) -> np.ndarray:
     if not path.is_file():
         raise FileNotFoundError(f"series task: no CSV file at {path}")
     values: list[float] = []
-    with open(path, newline="", encoding="utf-8") as f:
+    try:
+        text = path.read_bytes().decode("utf-8-sig")  # -sig: drop a spreadsheet's byte-order mark
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"series task: {path} is not UTF-8 text ({exc})") from None
+    with io.StringIO(text, newline="") as f:
         reader = csv_module.reader(f)
         header = next(reader, None)
         if header is None:
@@ -187,6 +192,18 @@ class SeriesTask(Task):
     def sample_batch(self, batch_size: int, split: str = "train", generator: Optional[torch.Generator] = None):
         """(B, T) tokens of windows at uniformly random offsets of ``split``, drawn with ``generator``."""
         return sample_windows(self._tokens[_check_split(split)], batch_size, self.seq_len, generator)
+
+    def val_sequences(self, num_sequences: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """(num_sequences, T) int64 windows of the val split that share no value (its windows at offsets 0, T,
+        2T, ...), picked with ``generator`` (the first ones when None), for statistics that take them as
+        independent."""
+        tokens = self._tokens["val"]
+        starts = torch.arange(0, len(tokens) - self.seq_len + 1, self.seq_len)
+        what = (f"windows of seq_len={self.seq_len} that share no value in the val split of {self.path} "
+                f"({len(tokens)} values): pass fewer sequences or a smaller --seq-len")
+        index = starts[distinct_indices(num_sequences, len(starts), generator, what)]
+        index = index[:, None] + torch.arange(self.seq_len)  # (N, T)
+        return torch.from_numpy(np.asarray(tokens[index.numpy()], dtype=np.int64))
 
     def checkpoint_kwargs(self) -> dict:
         return {"value_range": [self.bins.low, self.bins.high], "n_bins": self.bins.n_bins}

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .base import Task
+from .base import Task, distinct_indices
 
 VAL_SEED = 0x5167A  # seeds the fixed validation set of every generated task
 SPLITS = ("train", "val")
@@ -86,6 +86,12 @@ class SyntheticTask(Task):
         if generator is None:
             generator = torch.default_generator
         return self._generate(batch_size, generator)
+
+    def val_sequences(self, num_sequences: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """(num_sequences, T) int64 distinct rows of the validation set, on ``generator``'s device, picked with
+        ``generator`` (the first rows when None), for statistics that take them as independent."""
+        index = distinct_indices(num_sequences, self.val_size, generator, f"validation rows of task {self.name!r}")
+        return self._val_rows()[index].to(generator.device if generator is not None else "cpu")
 
     def _check_samples(self, samples: torch.Tensor) -> torch.Tensor:
         """Validate ``evaluate``'s input: a non-empty (B, seq_len) integer tensor, returned as int64."""

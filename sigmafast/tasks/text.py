@@ -53,6 +53,15 @@ def _check_seq_len(seq_len) -> int:
     return seq_len
 
 
+def token_ids(tokens, vocab_size: int) -> list[int]:
+    """``tokens`` as a list of ints; a ``ValueError`` naming the ids outside ``[0, vocab_size)``."""
+    ids = [int(t) for t in tokens]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside [0, {vocab_size})")
+    return ids
+
+
 class CharTask(Task):
     """Character-level modelling of one UTF-8 text file (``text`` is its path).
 
@@ -69,6 +78,9 @@ class CharTask(Task):
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
         if chars is not None and (not isinstance(chars, str) or not chars):
             raise ValueError(f"chars must be a nonempty str (the vocabulary), got {chars!r}")
+        if chars is not None and list(chars) != sorted(set(chars)):
+            raise ValueError(f"chars must list distinct characters in code-point order (a checkpoint's vocabulary), "
+                             f"got {chars!r}")
         self.name = "char"
         self.path = Path(text)
         self.val_fraction = float(val_fraction)
@@ -121,11 +133,7 @@ class CharTask(Task):
         return [self._index[c] for c in text]
 
     def decode(self, tokens) -> str:
-        ids = [int(t) for t in tokens]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
-        return "".join(self.chars[i] for i in ids if i != self.bos)
+        return "".join(self.chars[i] for i in token_ids(tokens, self.vocab_size) if i != self.bos)
 
 
 class TokenFileTask(Task):
@@ -196,4 +204,4 @@ class TokenFileTask(Task):
         return self._encoding.encode_ordinary(text)
 
     def decode(self, tokens) -> str:
-        return self._encoding.decode([int(t) for t in tokens])
+        return self._encoding.decode(token_ids(tokens, self.vocab_size))
