@@ -2,8 +2,9 @@
 # One call on a lent GPU: the CUDA tests, the fused step kernels' and top-k tests compiled, the engine and kernel
 # benchmarks, the vocabulary kernels' tests compiled (persistent streams at the card's occupancy), a step profile.
 # Usage (device tool): bash benchmarks/gpu_check.sh; logs and JSON land in $OUT/gpu_check.tgz (rebuilt after
-# each part; summary.txt beside it). Each part has a time
-# limit (seconds) and can be narrowed: GPU_<PART>_LIMIT, GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
+# each part; summary.txt beside it). Each part has a time limit (seconds; then SIGINT, so that pytest still
+# prints its failures and writes its JSON, and SIGKILL 15 s later) and can be narrowed: GPU_<PART>_LIMIT,
+# GPU_ENGINE_K / GPU_KERNELS_K (pytest -k),
 # GPU_PARTS (the parts to run, in order). The default parts' limits add up to 1030 s, more than one device-tool
 # call's 600, but they are caps (at the fourth lend: engine 74 s, kernels 33 s, tests 34 s; the compiled kernel
 # tests of vocab and fused ran past 70 and 60 s), so the timings come first; in one call the engine part
@@ -11,9 +12,11 @@
 # static-cache decoder, measured at the first lend) and "inductor" (Engine(compile_steps="inductor")) are extra
 # parts for a second call; engine-ar and engine-burst split the engine part in two, each with its own JSON;
 # "topk" runs the top-k tests compiled (also in "fused"), "sweep" times the vocabulary kernels' tilings,
-# "small" times the levers of the small burst target: both scorings from hidden states and the small model's
-# attention at forced KV splits (kernels), burst small and gpt2 with both scorings, the timed one (auto) and
-# programmatic dependent launch (Engine(pdl=True): ar-pdl, burst-pdl), a small profile.
+# "small" times the levers of the small burst target in three runs, each with its own limit and rc: both
+# scorings from hidden states and the small model's attention at forced KV splits (small-kernels); burst small
+# and gpt2 with both scorings, the timed one (auto), programmatic dependent launch (Engine(pdl=True)) and the
+# fused GELU (small-engine); small profiles with auto scoring, PDL and the fused GELU (small-profile). With
+# GPU_PARTS="small sweep tests vocab" the caps add up to 570 s: pass the device tool timeout_s=590.
 # pytest-benchmark writes its JSON only when a session ends, but cases.jsonl (SIGMAFAST_BENCH_LOG) gets
 # each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
 # module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
@@ -40,7 +43,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 run() {  # name, limit in seconds, command...
     local name=$1 limit=$2; shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    timeout -s INT -k 15 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     echo "== $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
     tail -n "${GPU_TAIL:-12}" "$LOGS/$name.log"
     bundle
@@ -48,23 +51,26 @@ run() {  # name, limit in seconds, command...
 BENCH=(--benchmark-only -q -p no:cacheprovider --benchmark-columns=median,rounds)
 for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # the issues' timings first
     case $part in
-    tests) run tests "${GPU_TESTS_LIMIT:-60}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs ;;
+    tests) run tests "${GPU_TESTS_LIMIT:-100}" python -m pytest -m gpu tests/ -q -p no:cacheprovider -rs \
+        --durations=15 ;;
     fused) run fused "${GPU_FUSED_LIMIT:-120}" python -m pytest tests/test_kernels_commit.py \
         tests/test_kernels_layer_norm.py tests/test_kernels_linear_norm.py tests/test_kernels_decide.py \
         tests/test_kernels_embed.py tests/test_kernels_flags.py tests/test_kernels_along.py tests/test_kernels_slots.py \
         tests/test_kernels_rotary.py tests/test_kernels_lossless.py \
         tests/test_kernels_row_vectors.py tests/test_kernels_topk.py tests/test_kernels_plan.py \
-        -q -p no:cacheprovider -rs ;;
+        -q -p no:cacheprovider -rs --durations=15 ;;
     vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \
-        tests/test_kernels_sampling.py -q -p no:cacheprovider -rs ;;
+        tests/test_kernels_sampling.py -q -p no:cacheprovider -rs --durations=15 ;;
     topk) run topk "${GPU_TOPK_LIMIT:-60}" python -m pytest tests/test_kernels_topk.py -q -p no:cacheprovider -rs ;;
-    small) run small "${GPU_SMALL_LIMIT:-180}" bash -c "python -m pytest benchmarks/bench_kernels.py \
-        ${BENCH[*]} --benchmark-json=$LOGS/small.json -k 'test_acceptance_from_hidden or test_small_model_attention' \
-        ; python -m pytest benchmarks/bench_engine.py ${BENCH[*]} --benchmark-json=$LOGS/small_engine.json \
-            -k 'test_engine and B1 and not rope and (burst-small or burst-gpt2 or -scoring- or -pdl- or -gelu-)' \
-        ; python benchmarks/profile_steps.py --shape small --batch 1 --scoring auto \
-        ; python benchmarks/profile_steps.py --shape small --batch 1 --pdl \
-        ; python benchmarks/profile_steps.py --shape small --batch 1 --fused-gelu" ;;
+    small) run small-kernels "${GPU_SMALL_KERNELS_LIMIT:-50}" python -m pytest benchmarks/bench_kernels.py \
+        "${BENCH[@]}" --benchmark-json="$LOGS/small.json" -k "test_acceptance_from_hidden or test_small_model_attention"
+        run small-engine "${GPU_SMALL_LIMIT:-140}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
+            --benchmark-json="$LOGS/small_engine.json" \
+            -k "test_engine and B1 and not rope and not tiny and (burst-small or burst-gpt2 or -scoring- or -pdl- \
+                or -gelu-)"
+        run small-profile "${GPU_SMALL_PROFILE_LIMIT:-80}" bash -c "python benchmarks/profile_steps.py --shape small \
+            --batch 1 --scoring auto; python benchmarks/profile_steps.py --shape small --batch 1 --pdl \
+            ; python benchmarks/profile_steps.py --shape small --batch 1 --fused-gelu" ;;
     sweep) run sweep "${GPU_SWEEP_LIMIT:-100}" python benchmarks/sweep_vocab.py --json "$LOGS/sweep.json" ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$LOGS/engine.json" -k "${GPU_ENGINE_K:-test_first_call or (test_engine and not inductor and not pdl)}" ;;
@@ -90,6 +96,6 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
         --benchmark-json="$LOGS/inductor.json" -k "${GPU_INDUCTOR_K:-test_engine and inductor and gpt2}" ;;
     esac
 done
+python benchmarks/gpu_summary.py "$LOGS"/cases.jsonl > "$LOGS/cases.txt" 2>&1
 bundle
-cat "$LOGS/summary.txt"
-python benchmarks/gpu_summary.py "$LOGS"/cases.jsonl
+cat "$LOGS/summary.txt" "$LOGS/cases.txt"

@@ -14,7 +14,7 @@ KEYS = ("ms", "graph_ms", "graph_fraction_of_copy_bw", "graph_read_flushed_ms",
         "graph_read_flushed_fraction_of_copy_bw", "fraction_of_copy_bw", "graph_error", "ms_per_token",
         "ms_per_iteration", "later_iterations_ms", "synced_later_iterations_ms_median", "iterations_max",
         "first_call_s", "first_call_variants", "later_calls_s", "later_calls_variants", "max_variants_per_kernel",
-        "warmup_s")
+        "warmup_s", "scoring_choices")
 
 
 def _fmt(v) -> str:

@@ -116,9 +116,11 @@ def main() -> None:
                 rows.append(dict(cfg, op=op, ms=ms, read_flushed_ms=flushed, share=share, error=err))
                 print(f"{op:16s} {cfg} " + (f"{flushed * 1e3:7.1f} us {share:6.1%}" if share else f"error {err}"),
                       flush=True)
-    finally:
+    finally:  # a sweep cut short (SIGINT) still leaves the rows it timed
         for name, value in default.items():
             setattr(vocab, name, value)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
     print("\nbest per op (share of copy bandwidth, L2 flushed by reading):")
     for op, _, _ in ops:
         done = sorted((r for r in rows if r["op"] == op and r["share"]), key=lambda r: -r["share"])
@@ -128,8 +130,6 @@ def main() -> None:
                   f"STREAM_WARPS={r['STREAM_WARPS']} STREAM_STAGES={r['STREAM_STAGES']} PERSISTENT={r['PERSISTENT']}")
         if base:
             print(f"  {op:16s} {base['share']:6.1%}  (defaults)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -127,11 +127,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise TypeError("hidden and weight must be torch.Tensors")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be (V, C={hidden.shape[-1]}), got {tuple(weight.shape)}")
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be an int64 torch.Tensor, got {type(targets).__name__}")
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
     if targets.dtype != torch.int64:
         raise TypeError(f"targets must be int64, got {targets.dtype}")
     chunk_elements = LOSS_CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int):
+        raise TypeError(f"chunk_elements must be None or an int, got {type(chunk_elements).__name__}")
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
     if adjust is not None and not callable(adjust):

@@ -30,6 +30,7 @@ ADAMW_BYTES_PER_PARAM = 16  # fp32 weight, gradient, exp_avg and exp_avg_sq
 ACTIVATIONS_ATTENTION = 6  # saved (token, channel) elements per layer's attention, see training_peak_bytes
 ACTIVATIONS_OUTSIDE = 2  # final LayerNorm in and out (the embeddings' sum is the first block's input)
 LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32
+LOSS_WEIGHT_GRADS = 2  # the chunked loss's (V, C) fp32 weight gradient, and its scaled copy in the backward
 SAMPLING_CHECK_FLOOR = 256 * 2**20  # smaller burst iterations skip reading the free memory
 TRAINING_FLAGS = ("--batch-size (raise --grad-accum to keep the tokens per step), --seq-len, or the model "
                   "(--preset, --n-embd, --n-layer)")
@@ -67,25 +68,34 @@ def training_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, a
     and ``activation_bytes`` s per activation (4 in fp32, 2 under bf16 autocast)::
 
         16 P                                    fp32 weights, gradients, AdamW's two moments
-      + s B T C ((8 + 2 r) L + 2)               activations saved for the backward
-      + 4 * 3 min(B T, rows) V                  chunked loss: logits, softmax, gradient (fp32)
+      + s B T C ((8 + 2 r - n) L)               activations saved for the backward
+      + 4 B T C (n L + 2)                       the LayerNorms' inputs (the residual stream) and the final
+                                                norm's output: float32 even under autocast
+      + 4 (3 min(B T, rows) V + B T C + 2 V C)  chunked loss: logits, softmax, gradient of a chunk; the
+                                                stored gradients of the hidden states and of the weight
+      + s ((4 + 2 r) C^2 L + V C)               under autocast (s < 4) only: the 16-bit copies of the
+                                                matmuls' weights that autocast keeps for the backward
 
     Per layer and (token, channel), nanoGPT-style (Korthikanti et al. 2022, table 2,
     without dropout masks): the attention block saves its LayerNorm input, the q/k/v
     projection input, q, k, v and the attention output (about 5 + the LayerNorm's 1);
     the MLP saves its input, the r C GELU input and the r C GELU output (1 + 2 r, for
     ``mlp_ratio`` r), the second LayerNorm 1: 16 in all at r = 4, 6 for an attention-only
-    block (r = 0). Attention is fused (scaled_dot_product_attention), so no
+    block (r = 0), of which the n LayerNorm inputs (n = 2, or 1 without an MLP) are float32
+    under autocast (layer_norm runs in float32). Attention is fused (scaled_dot_product_attention), so no
     T x T matrix is stored. ``rows = max(1, 2**25 // V)``: the loss never holds more
     than 2**25 logits at a time.
     """
     B, T = batch_size, seq_len
     states = ADAMW_BYTES_PER_PARAM * model_state_elements(config)
+    C, L, V = config.n_embd, config.n_layer, config.vocab_size
     per_layer = ACTIVATIONS_ATTENTION + (2 + 2 * config.mlp_ratio if config.mlp_ratio else 0)
-    per_token = config.n_embd * (per_layer * config.n_layer + ACTIVATIONS_OUTSIDE)
-    activations = activation_bytes * B * T * per_token
-    loss = FP32_BYTES * LOSS_COPIES * min(B * T, loss_chunk_rows(config.vocab_size)) * config.vocab_size
-    return states + activations + loss
+    norms = 1 + (config.mlp_ratio > 0)
+    low, fp32 = (per_layer - norms) * L, norms * L + ACTIVATIONS_OUTSIDE  # elements per (token, channel)
+    activations = B * T * C * (activation_bytes * low + FP32_BYTES * fp32)
+    loss = FP32_BYTES * (LOSS_COPIES * min(B * T, loss_chunk_rows(V)) * V + B * T * C + LOSS_WEIGHT_GRADS * V * C)
+    casts = activation_bytes * ((4 + 2 * config.mlp_ratio) * C * C * L + V * C) if activation_bytes < FP32_BYTES else 0
+    return states + activations + loss + casts
 
 
 def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,

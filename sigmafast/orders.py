@@ -105,13 +105,16 @@ def curriculum(
     generator: Optional[torch.Generator] = None,
     device=None,
 ) -> torch.Tensor:
-    """(B, T) orders: the first ``round(fraction * B)`` rows left-to-right, the rest random."""
+    """(B, T) orders: the first ``floor(fraction * B + u)`` rows left-to-right, ``u ~ U[0, 1)`` drawn from
+    ``generator`` after the random orders (stochastic rounding: the expected count is ``fraction * B``, so a
+    batch of one row still follows the schedule on average), the rest random. No host sync."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-    n_l2r = int(round(fraction * batch_size))
     orders = random(batch_size, seq_len, generator=generator, device=device)
-    orders[:n_l2r] = left_to_right(n_l2r, seq_len, device=orders.device)
-    return orders
+    dev = generator.device if generator is not None else orders.device
+    u = torch.rand((), generator=generator, device=dev).to(orders.device)
+    l2r = torch.arange(1, batch_size + 1, device=orders.device) <= fraction * batch_size + u  # (B,) floor() rows
+    return torch.where(l2r[:, None], torch.arange(seq_len, device=orders.device), orders)
 
 
 def make_orders(

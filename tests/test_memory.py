@@ -39,12 +39,13 @@ def test_model_state_is_counted_without_building_the_model(arch, batch, seq_len)
     assert model_state_elements(cfg) == sum(t.numel() for t in (*model.parameters(), *model.buffers()))
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("arch,batch,seq_len", CONFIGS)
-def test_activation_term_matches_the_bytes_autograd_saves(arch, batch, seq_len):
-    """The 4 B T C ((8 + 2 r) L + 2) activation term (16 L + 2 at ``mlp_ratio`` r = 4, 6 L + 2 at r = 0)
-    against the storages saved for the backward of a real fp32 forward (up to the final LayerNorm; the
-    loss is its own term). The estimate omits small tensors (LayerNorm statistics, attention
-    log-sum-exp), so it may differ by a few percent, never by 10%."""
+def test_activation_term_matches_the_bytes_autograd_saves(arch, batch, seq_len, autocast):
+    """The activation term, 4 B T C ((8 + 2 r) L + 2) in fp32 (16 L + 2 at ``mlp_ratio`` r = 4, 6 L + 2 at
+    r = 0), against the storages saved for the backward of a real forward (up to the final LayerNorm; the
+    loss is its own term); under bf16 autocast the LayerNorms' inputs stay float32. The estimate omits small
+    tensors (LayerNorm statistics, attention log-sum-exp), so it may differ by a few percent, never by 10%."""
     cfg = _config(arch, seq_len)
     torch.manual_seed(0)
     model = SigmaGPT(cfg)
@@ -59,16 +60,21 @@ def test_activation_term_matches_the_bytes_autograd_saves(arch, batch, seq_len):
 
     tokens = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len))
     pos = torch.arange(seq_len).expand(batch, seq_len)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
         x = model.embed(tokens, pos, pos)
         for block in model.h:
             x = block(x)
         model.ln_f(x)
     states = 16 * model_state_elements(cfg)
-    loss = 12 * min(batch * seq_len, loss_chunk_rows(cfg.vocab_size)) * cfg.vocab_size
-    estimate = training_peak_bytes(cfg, batch, seq_len) - states - loss
+    C, V = cfg.n_embd, cfg.vocab_size
+    loss = 4 * (3 * min(batch * seq_len, loss_chunk_rows(V)) * V + batch * seq_len * C + 2 * V * C)
+    head_cast = 2 * V * C if autocast else 0  # the LM head's bf16 weight, cast in the loss (not run here)
+    estimate = training_peak_bytes(cfg, batch, seq_len, activation_bytes=2 if autocast else 4) - states - loss
+    estimate -= head_cast
     per_layer = 8 + 2 * cfg.mlp_ratio if cfg.mlp_ratio else 6
-    assert estimate == 4 * batch * seq_len * cfg.n_embd * (per_layer * cfg.n_layer + 2)
+    if not autocast:
+        assert estimate == 4 * batch * seq_len * C * (per_layer * cfg.n_layer + 2)
     assert abs(sum(saved.values()) / estimate - 1) < 0.1, (sum(saved.values()), estimate)
 
 
@@ -77,9 +83,11 @@ def test_loss_term_is_capped_by_the_chunk():
     assert loss_chunk_rows(2**26) == 1
     cfg = SigmaGPTConfig(vocab_size=50257, block_size=1024, n_layer=2, n_head=2, n_embd=64)
     small, big = training_peak_bytes(cfg, 32, 1024), training_peak_bytes(cfg, 64, 1024)
-    activations = 4 * 32 * 1024 * 64 * (16 * 2 + 2)
-    assert big - small == activations  # the loss term no longer grows with B T
-    assert training_peak_bytes(cfg, 32, 1024, activation_bytes=2) == small - activations // 2
+    activations, grad_hidden = 4 * 32 * 1024 * 64 * (16 * 2 + 2), 4 * 32 * 1024 * 64
+    assert big - small == activations + grad_hidden  # the logits' term no longer grows with B T
+    halved = 2 * 32 * 1024 * 64 * (14 * 2)  # all but the LayerNorms' inputs and the final norm's output
+    casts = 2 * (12 * 64 * 64 * 2 + 50257 * 64)  # autocast's bf16 copies of the matmuls' weights
+    assert training_peak_bytes(cfg, 32, 1024, activation_bytes=2) == small - halved + casts
 
 
 def test_available_memory_and_the_training_check():

@@ -126,12 +126,15 @@ def test_chunked_loss_all_ignored_is_zero_with_zero_gradient():
         ((torch.randn(4, 8), torch.randn(5, 7), torch.zeros(4, dtype=torch.long)), ValueError, "weight must be"),
         ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(3, dtype=torch.long)), ValueError, "targets must have"),
         ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4)), TypeError, "targets must be int64"),
+        ((torch.randn(4, 8), torch.randn(5, 8), [0, 1, 2, 3]), TypeError, "targets must be an int64 torch.Tensor"),
+        ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long), 1e3), TypeError,
+         "chunk_elements must be None or an int, got float"),
     ],
-    ids=["width", "targets-shape", "targets-dtype"],
+    ids=["width", "targets-shape", "targets-dtype", "targets-list", "chunk-float"],
 )
 def test_chunked_loss_rejects_bad_inputs(args, error, match):
     with pytest.raises(error, match=match):
-        linear_cross_entropy(*args)
+        linear_cross_entropy(*args[:3], **({"chunk_elements": args[3]} if len(args) > 3 else {}))
 
 
 def test_rope_scores_depend_only_on_the_offset():

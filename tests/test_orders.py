@@ -1,3 +1,4 @@
+import math
 from collections import deque
 
 import pytest
@@ -100,6 +101,22 @@ def test_curriculum_rows():
     o = orders.curriculum(10, 30, 0.3, generator=g)
     l2r = (o == torch.arange(30)).all(dim=1)
     assert l2r[:3].all() and not l2r[3:].any()
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_curriculum_share_follows_the_schedule_at_any_batch_size(batch_size):
+    """Rounding fraction * B per batch would give a batch of one no left-to-right row at fraction 0.5 (and B = 3
+    a share of 0.22 against 0.25 over this schedule): the expected count is fraction * B."""
+    g = torch.Generator().manual_seed(0)
+    steps = 2000
+    fractions = [orders.curriculum_fraction(s, steps, 0.5) for s in range(steps)]
+    l2r = [(orders.curriculum(batch_size, 6, f, generator=g) == torch.arange(6)).all(dim=1).float().mean().item()
+           for f in fractions]
+    p_id = 1 / math.factorial(6)  # a random row that happens to be left-to-right
+    expected = sum(f + (1 - f) * p_id for f in fractions) / steps  # about 0.25
+    frac = [batch_size * f % 1 for f in fractions]  # the count is floor(B f) or floor(B f) + 1
+    var = sum(r * (1 - r) / batch_size**2 + p_id / batch_size for r in frac)
+    assert abs(sum(l2r) / steps - expected) < 4 * math.sqrt(var) / steps, (sum(l2r) / steps, expected)
 
 
 def test_shuffle_layout():
