@@ -105,7 +105,7 @@ def out_dir_lock(out_dir) -> Iterator[None]:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             raise ValueError(f"TrainConfig.out_dir {str(out_dir)!r} is in use by another training run (process "
-                             f"{holder}): wait for it to end, or pick another out_dir") from None
+                             f"{holder}): wait for it to end, or pick another TrainConfig.out_dir") from None
         f.truncate(0)
         f.write(f"{os.getpid()}\n")
         f.flush()

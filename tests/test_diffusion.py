@@ -54,6 +54,13 @@ class ProductOracle(DiffusionGPT):
         return probs.log()
 
 
+def binomial_pmf(n: int, p: float) -> torch.Tensor:
+    """(n + 1,) float64 Binomial(n, p) probabilities."""
+    k = torch.arange(n + 1, dtype=torch.float64)
+    return torch.exp(torch.lgamma(torch.tensor(n + 1.0)) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
+                     + k * math.log(p) + (n - k) * math.log(1 - p))
+
+
 # --- forward process ------------------------------------------------------------------------------
 
 
@@ -301,12 +308,37 @@ def test_sampler_with_the_exact_x0_law_samples_the_product_law(noise, steps):
                              generator=torch.Generator().manual_seed(steps))
     assert ((out == 0) | (out == 1)).all()
     ones = (out == 1).sum(1)
-    k = torch.arange(T + 1, dtype=torch.float64)
-    binomial = torch.exp(torch.lgamma(torch.tensor(T + 1.0)) - torch.lgamma(k + 1) - torch.lgamma(T - k + 1)
-                         + k * math.log(p_one) + (T - k) * math.log(1 - p_one))
-    assert chi2_pvalue(torch.bincount(ones, minlength=T + 1), binomial) > P_MIN
+    assert chi2_pvalue(torch.bincount(ones, minlength=T + 1), binomial_pmf(T, p_one)) > P_MIN
     position_rate = (out == 1).double().mean(0)  # every position is Bernoulli(p)
     assert ((position_rate - p_one).abs() < 4 * math.sqrt(p_one * (1 - p_one) / N)).all()
+
+
+def test_absorbing_sampler_unmasks_each_position_at_a_uniform_step():
+    """Unmasking a masked position with probability 1/k at step k (k = S .. 1) spreads its unmasking
+    uniformly over the S steps: the (step) counts of 4000 rows x 12 positions against 1/S each."""
+    T, N, S = 12, 4000, 4
+    oracle = ProductOracle("absorbing", T, 0.3)
+    _, stats = diffusion.generate(oracle, torch.zeros(N, 0, dtype=torch.long), T, steps=S, return_stats=True,
+                                  generator=torch.Generator().manual_seed(11))
+    per_step = stats.accepted.sum(0)  # (S,)
+    assert int(per_step.sum()) == N * T
+    assert chi2_pvalue(per_step, torch.full((S,), 1.0 / S, dtype=torch.float64)) > P_MIN
+
+
+@pytest.mark.parametrize("noise,steps", [("absorbing", 4), ("uniform", 1)])
+def test_sampler_tempers_and_truncates_the_x0_law(noise, steps):
+    """With the true p(x_0 | x_t), each token is drawn once from the tempered x_0 law (absorbing: when its
+    position unmasks; uniform: in one step from pure noise): at temperature 1/2 the ones per row follow
+    Binomial(T, p^2 / (p^2 + (1 - p)^2)); top-1 keeps the likelier token, 0, everywhere."""
+    p_one, T, N = 0.3, 12, 4000
+    oracle = ProductOracle(noise, T, p_one)
+    out = diffusion.generate(oracle, torch.zeros(N, 0, dtype=torch.long), T, steps=steps, temperature=0.5,
+                             generator=torch.Generator().manual_seed(12))
+    tempered = p_one**2 / (p_one**2 + (1 - p_one) ** 2)
+    assert chi2_pvalue(torch.bincount((out == 1).sum(1), minlength=T + 1), binomial_pmf(T, tempered)) > P_MIN
+    top1 = diffusion.generate(oracle, torch.zeros(64, 0, dtype=torch.long), T, steps=steps, top_k=1,
+                              generator=torch.Generator().manual_seed(13))
+    assert (top1 == 0).all()
 
 
 # --- trainer, checkpoints ---------------------------------------------------------------------------

@@ -48,6 +48,9 @@ def test_draws_into_static_buffers_equal_fresh_draws(B, size, O):
         assert torch.equal(buf[:B], want)
         assert buf[B:].isnan().all()
     assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=g_fresh))
+    g_plain = torch.Generator().manual_seed(7)  # the protocol: four float64 draws in BurstDraws' field order
+    plain = [torch.rand(shape, generator=g_plain, dtype=torch.float64) for shape in ((B, T), (B, O, T), (B, T), (B, T))]
+    assert all(torch.equal(a, b) for a, b in zip(plain, (fresh.u_draft, fresh.keys, fresh.u_accept, fresh.u_residual)))
 
 
 def _burst_run(model, step, backend, rule, num_orders, B=4, R=T):

@@ -83,6 +83,23 @@ def test_float64_uniforms_are_rounded_to_float32_as_the_reference_rounds_them(op
     assert torch.equal(tokens, want) and tokens[0] == 1 and tokens[1] == 0
 
 
+@pytest.mark.parametrize("block_v", [None, 16], ids=["whole-row", "chunk16"])
+@pytest.mark.parametrize("op", ["sample", "residual"])
+def test_a_draw_at_the_top_of_the_cdf_stays_in_the_vocabulary(op, block_v):
+    """u = 1 - 1e-12 rounds to 1.0 in float32: the inverse CDF then lands on the last token of the row, never
+    on a column past V = 50 inside the row's last vector-aligned window (50 is not a multiple of 4)."""
+    g = torch.Generator().manual_seed(5)
+    q, p = (torch.randn(6, 50, generator=g) for _ in range(2))
+    u = torch.full((6,), 1 - 1e-12, dtype=torch.float64)
+    if op == "sample":
+        tokens, _ = sample(q, u, 1.0, block_v=block_v)
+        want, _ = ref.sample(q, u, 1.0)
+    else:
+        tokens = residual_sample(q, p, u, 1.0, block_v=block_v)
+        want = ref.residual_sample(q, p, u, 1.0)
+    assert torch.equal(tokens.cpu(), want) and bool((want < 50).all())
+
+
 def test_sample_chi_square():
     """20000 draws from one launch (stride-0 rows) against the exact softmax, with and without top-k."""
     g = torch.Generator().manual_seed(2)
