@@ -313,7 +313,7 @@ def test_sample_script_parses_infill_templates():
             script.parse_template(f"01_{item}", step, 6)
     with pytest.raises(ValueError, match="canvas length"):
         script.parse_template("0101010", step, 6)
-    dna = get_task("char", text="unread.txt", seq_len=8, chars="ACGT\n")  # a text task without an 'a'
+    dna = get_task("char", text="unread.txt", seq_len=8, chars="\nACGT")  # a text task without an 'a'
     tokens, known = script.parse_template("AC__T", dna, 8)
     assert known.tolist() == [True, True, False, False, True, False, False, False]
     assert dna.decode(tokens[[0, 1, 4]].tolist()) == "ACT"
