@@ -290,6 +290,27 @@ def test_greedy_single_step_returns_the_x0_argmax(noise):
     assert torch.equal(out[:, 2:], logits.argmax(-1)[:, 2:])
 
 
+@pytest.mark.parametrize("noise", NOISES)
+def test_non_finite_logits_raise_like_sigmafast_generate(noise):
+    """A model whose x0 logits are NaN (diverged weights) is an error, as in ``sigmafast.generate``, not a
+    canvas of arbitrary tokens; NaN logits at known positions only are never read and pass."""
+    model = tiny_diffusion(noise)
+    prompt = torch.tensor([[0, 1], [3, 3]])
+    forward = model.forward
+
+    def broken(x_t, t, only_known=False):
+        logits = forward(x_t, t).clone()
+        logits[1, 0 if only_known else 4] = float("nan")  # row 1: position 0 is known, position 4 is not
+        return logits
+
+    model.forward = broken
+    with pytest.raises(ValueError, match="non-finite logits"):
+        diffusion.generate(model, prompt, 5, steps=3, generator=torch.Generator().manual_seed(0))
+    model.forward = lambda x_t, t: broken(x_t, t, only_known=True)
+    out = diffusion.generate(model, prompt, 5, steps=3, generator=torch.Generator().manual_seed(0))
+    assert ((out >= 0) & (out < 4)).all()
+
+
 def test_nothing_to_sample_makes_no_model_call():
     model = tiny_diffusion("uniform")
     canvas = torch.randint(0, 4, (2, 5))

@@ -16,8 +16,10 @@ Randomness protocol: every draw is a float64 (B, T) tensor from the caller's
 - uniform: ``u_init`` once (x_1 uniform over the data ids), then per step
   ``u_token``, the inverse-CDF uniform of the reverse law.
 
-The step loop reads nothing on the host; ``stats.accepted[b, k]`` counts the
-positions unmasked (absorbing) or changed (uniform) at step k.
+The step loop reads nothing on the host; the steps set a () bool flag on the device when the logits of
+an unknown position are not finite, read once after the loop (a ``ValueError``, as in
+``sigmafast.generate``). ``stats.accepted[b, k]`` counts the positions unmasked (absorbing) or changed
+(uniform) at step k.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from .. import kernels
 from ..kernels.reference import inverse_cdf, process_logits
-from ..request import SampleStats, draw, inference, prepare
+from ..request import SampleStats, draw, inference, nonfinite_error, prepare
 from .model import DiffusionGPT
 from .noise import alpha, uniform_posterior, uniform_tokens
 
@@ -63,21 +65,23 @@ def x0_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> 
     return torch.softmax(process_logits(logits, temperature, top_k), dim=-1)
 
 
-def _absorbing_step(model, x, masked, k: int, t, req):
+def _absorbing_step(model, x, masked, k: int, t, req, flag):
     """One reverse step from t_k; returns the new tokens, mask and the (B,) unmasked counts."""
     B, T = x.shape
     logits = model(x, t)  # (B, T, V)
     u_unmask = draw(req.generator, (B, T), x.device)
     u_token = draw(req.generator, (B, T), x.device)
-    tokens, _ = kernels.sample(logits.reshape(B * T, -1), u_token.reshape(B * T), req.temperature, req.top_k)
+    tokens, _ = kernels.sample(logits.reshape(B * T, -1), u_token.reshape(B * T), req.temperature, req.top_k,
+                               used=masked.reshape(B * T), flag=flag)
     unmask = masked & (u_unmask < 1.0 / k)  # (B, T); 1/k = (α_s - α_t) / (1 - α_t)
     return torch.where(unmask, tokens.view(B, T), x), masked & ~unmask, unmask.sum(1)
 
 
-def _uniform_step(model, x, known, k: int, steps: int, t, req):
+def _uniform_step(model, x, known, k: int, steps: int, t, req, flag):
     """One reverse step from t_k to t_{k-1}; returns the new tokens and the (B,) changed counts."""
     B, T = x.shape
     logits = model(x, t)  # (B, T, V)
+    kernels.flag_nonfinite(logits, ~known, flag)
     s = torch.full_like(t, (k - 1) / steps)
     post = uniform_posterior(x0_probs(logits, req.temperature, req.top_k), x, alpha(t), alpha(s), model.mask_id)
     u_token = draw(req.generator, (B, T), x.device)
@@ -111,7 +115,10 @@ def generate(model, idx: torch.Tensor, max_new_tokens: Optional[int] = None, *, 
     counts = []
     with inference(model):
         if T > 0 and not bool(known_now.all()):  # one host read, before the loop
-            canvas, counts = _run(model, canvas, known_now, S, req)
+            flag = torch.zeros((), dtype=torch.bool, device=canvas.device)
+            canvas, counts = _run(model, canvas, known_now, S, req, flag)
+            if bool(flag):  # one read after the loop, of the flag the steps set on the device
+                raise nonfinite_error("logits")
     calls = len(counts)
     accepted = torch.stack(counts, 1) if counts else torch.zeros(B, 0, dtype=torch.long, device=canvas.device)
     if canvas.is_cuda:
@@ -121,8 +128,9 @@ def generate(model, idx: torch.Tensor, max_new_tokens: Optional[int] = None, *, 
     return (canvas, stats) if return_stats else canvas
 
 
-def _run(model: DiffusionGPT, canvas: torch.Tensor, known: torch.Tensor, steps: int, req):
-    """The S reverse steps from t = 1; returns the final tokens and the per-step (B,) counts."""
+def _run(model: DiffusionGPT, canvas: torch.Tensor, known: torch.Tensor, steps: int, req, flag):
+    """The S reverse steps from t = 1; returns the final tokens and the per-step (B,) counts; sets the () bool
+    ``flag`` when the logits of an unknown position are not finite."""
     B, T = canvas.shape
     device = canvas.device
     counts = []
@@ -131,13 +139,13 @@ def _run(model: DiffusionGPT, canvas: torch.Tensor, known: torch.Tensor, steps: 
         masked = ~known
         for k in range(steps, 0, -1):
             t = torch.full((B,), k / steps, device=device)
-            x, masked, n = _absorbing_step(model, x, masked, k, t, req)
+            x, masked, n = _absorbing_step(model, x, masked, k, t, req, flag)
             counts.append(n)
         return x, counts
     u_init = draw(req.generator, (B, T), device)
     x = torch.where(known, canvas, uniform_tokens(u_init, model.config.vocab_size, model.mask_id))
     for k in range(steps, 0, -1):
         t = torch.full((B,), k / steps, device=device)
-        x, n = _uniform_step(model, x, known, k, steps, t, req)
+        x, n = _uniform_step(model, x, known, k, steps, t, req, flag)
         counts.append(n)
     return x, counts
