@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -234,8 +235,11 @@ def test_sampler_rejects_bad_arguments():
     for steps in (0, 8):
         with pytest.raises(ValueError, match="steps must be in 1..T = 1..7"):
             diffusion.generate(model, idx, 4, steps=steps)
-    with pytest.raises(TypeError, match="steps must be an int"):
-        diffusion.generate(model, idx, 4, steps=2.0)
+    for steps in (2.0, True):
+        with pytest.raises(TypeError, match="steps must be an int"):
+            diffusion.generate(model, idx, 4, steps=steps)
+    out, stats = diffusion.generate(model, idx, 4, steps=np.int64(3), return_stats=True)  # as max_new_tokens
+    assert stats.forward_calls == 3 and type(stats.forward_calls) is int
     with pytest.raises(ValueError, match="MASK / BOS id 4"):
         diffusion.generate(model, torch.full((2, 3), 4), 4)
     with pytest.raises(ValueError, match="temperature"):

@@ -24,6 +24,7 @@ an unknown position are not finite, read once after the loop (a ``ValueError``, 
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Optional
 
@@ -50,8 +51,9 @@ def _check_model(model) -> DiffusionGPT:
 def _check_steps(steps, seq_len: int) -> int:
     if steps is None:
         return max(seq_len, 1)
-    if not isinstance(steps, int) or isinstance(steps, bool):
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
         raise TypeError(f"steps must be an int or None, got {type(steps).__name__}")
+    steps = int(steps)  # a NumPy integer too, as max_new_tokens and top_k
     if not 1 <= steps <= max(seq_len, 1):
         raise ValueError(f"steps must be in 1..T = 1..{max(seq_len, 1)} (the canvas length), got {steps}")
     return steps
