@@ -29,7 +29,7 @@ from .batches import (
 )
 from .checkpoint import (
     atomic_save, build_checkpoint, check_compatible, check_new_run, check_writable, checkpoint_path, load_checkpoint,
-    out_dir_lock, read_resumed, rng_state, set_rng_state, task_record,
+    out_dir_lock, read_resumed, rng_state, set_rng_state, stored_objective, task_record,
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
@@ -173,9 +173,12 @@ class _Trainer:
             if not locked:
                 held.enter_context(out_dir_lock(cfg.out_dir))
                 check_new_run(cfg)  # another run may have saved there since the first check
+        diffusion_config = cfg.diffusion_config()
         if ckpt is not None:
-            check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective,
-                             cfg.diffusion_config())
+            stored = stored_objective(ckpt)[1]
+            if diffusion_config is not None and stored is not None and stored.noise == diffusion_config.noise:
+                diffusion_config = stored  # its parameterization too, which no flag sets ("plain" before the field)
+            check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective, diffusion_config)
 
         use_bf16 = cfg.dtype == "bfloat16" or (
             cfg.dtype == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -186,7 +189,7 @@ class _Trainer:
             torch.backends.cudnn.allow_tf32 = True
 
         torch.manual_seed(cfg.seed)
-        self.model = diffusion.make_model(self.model_config, cfg.objective, cfg.diffusion_config())
+        self.model = diffusion.make_model(self.model_config, cfg.objective, diffusion_config)
         if layout.distributed:
             torch.manual_seed(cfg.seed + layout.rank)
         self.start_iter, self.history = 0, []

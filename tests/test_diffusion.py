@@ -433,6 +433,22 @@ def test_checkpoint_round_trip_and_wrong_objective(tmp_path, noise):
     assert [h["iter"] for h in resumed.history] == [0, 2, 4, 6]
 
 
+def test_checkpoint_older_than_the_parameterization_resumes_as_plain(tmp_path):
+    """A uniform-noise checkpoint written before DiffusionConfig.parameterization holds a "plain" model: it
+    loads as one and resumes as one (no flag chooses the parameterization, so a resume keeps the stored one)."""
+    train(diffusion_cfg(tmp_path, max_iters=2, num_eval_samples=0))
+    path = tmp_path / "ckpt.pt"
+    ckpt = read_checkpoint(path)
+    del ckpt["diffusion_config"]["parameterization"]
+    atomic_save(ckpt, path)
+    assert load_checkpoint(path)[0].diffusion_config.parameterization == "plain"
+    resumed = train(diffusion_cfg(tmp_path, max_iters=4, num_eval_samples=0, resume=True))
+    assert resumed.model.diffusion_config == DiffusionConfig("uniform", "plain")
+    assert read_checkpoint(path)["diffusion_config"] == {"noise": "uniform", "parameterization": "plain"}
+    with pytest.raises(ValueError, match="objective: checkpoint 'diffusion'"):  # another noise is another model
+        train(diffusion_cfg(tmp_path, diffusion_noise="absorbing", max_iters=6, resume=True))
+
+
 def test_checkpoint_without_objective_loads_as_sigma(tmp_path):
     train(diffusion_cfg(tmp_path, objective="sigma", max_iters=2, num_eval_samples=0))
     path = tmp_path / "ckpt.pt"
