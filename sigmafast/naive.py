@@ -23,8 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import reference as ref
-from .request import (ar_rank, build_stats, check_callback, draw, draw_burst, inference, is_sigma_gpt, nonfinite_error,
-                      prepare)
+from .request import (ar_rank, build_stats, check_burst_memory, check_callback, draw, draw_burst, inference,
+                      is_sigma_gpt, nonfinite_error, prepare)
 
 
 def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
@@ -110,6 +110,7 @@ def generate(
     """Same arguments and results as :func:`sigmafast.generate`, computed naively."""
     req = prepare(model, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
+    check_burst_memory(model, req)
     check_callback(on_iteration)
     t0 = time.perf_counter()
     canvas, known_now = req.canvas.clone(), req.known.clone()

@@ -139,13 +139,18 @@ def check_int(name: str, value, minimum: int) -> int:
     return value
 
 
-def check_burst_memory(model, batch_size: int, num_orders: int, seq_len: int) -> None:
-    """A ``ValueError`` naming ``num_orders`` before a burst iteration that cannot fit in memory."""
+def check_burst_memory(model, req: Request) -> None:
+    """A ``ValueError`` naming ``num_orders`` before a σ-GPT's burst iterations that cannot fit in memory (for
+    ``req.strategy == "burst"``; nothing for an oracle or autoregressive sampling). The burst samplers call it
+    after :func:`prepare`; the other users of ``prepare`` (density, diffusion) run no burst."""
+    if req.strategy != "burst" or not is_sigma_gpt(model):
+        return
     from .kernels import backend_for
     from .memory import check_sampling_memory
 
     param = next(model.parameters())
-    check_sampling_memory(model.config, batch_size, num_orders, seq_len, param.device, param.element_size(),
+    B, T = req.canvas.shape
+    check_sampling_memory(model.config, B, req.num_orders, T, param.device, param.element_size(),
                           verifier_logits=backend_for(param) != "triton")
 
 
@@ -238,8 +243,6 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         raise ValueError(f"strategy='burst' always verifies random orders; order={order!r} needs 'autoregressive'")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if strategy == "burst" and is_sigma_gpt(model):
-        check_burst_memory(model, B, num_orders, T)
     return Request(canvas, known, float(temperature), top_k, strategy, order, num_orders, acceptance, generator)
 
 

@@ -70,8 +70,8 @@ from typing import Callable, Optional
 import torch
 
 from .engine import NeuralConditionals
-from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, check_int, draw, draw_burst,
-                      inference, is_sigma_gpt, nonfinite_error, prepare)
+from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_burst_memory, check_callback, check_int,
+                      draw, draw_burst, inference, is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
 
@@ -131,6 +131,7 @@ def generate(
     target = unwrap_model(model)
     req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
+    check_burst_memory(target, req)
     check_callback(on_iteration)
     t0 = time.perf_counter()
     runner = runner_for(model)
@@ -325,6 +326,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,
                   num_orders=num_orders, acceptance=acceptance)
+    check_burst_memory(target, req)
     if seq_len == 0 or not engine.buckets:  # exact shapes: every call has its own; nothing to prepare
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -99,3 +99,32 @@ def test_available_memory_and_the_training_check():
     with pytest.raises(ValueError, match=r"needs about .* GiB .* reduce --batch-size .*--seq-len.*--n-layer"):
         check_training_memory(cfg, 8, 64, torch.device("cpu"), available=need - 1)
     assert need < GIB
+
+
+def test_only_burst_sampling_checks_the_burst_memory(monkeypatch):
+    """The burst estimate (whose error says "reduce num_orders") guards the burst samplers only: autoregressive
+    sampling, densities and the diffusion sampler run no burst iteration."""
+    import sigmafast
+    import sigmafast.memory
+    import sigmafast.naive
+    from sigmafast import diffusion
+    from sigmafast.density import conditional_density
+    from sigmafast.diffusion import DiffusionConfig, DiffusionGPT
+
+    def refuse(*args, **kwargs):
+        raise ValueError("the burst memory check ran")
+
+    monkeypatch.setattr(sigmafast.memory, "check_sampling_memory", refuse)
+    config = SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=2, n_embd=16)
+    model = SigmaGPT(config).eval()
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    for generate in (sigmafast.generate, sigmafast.naive.generate):
+        with pytest.raises(ValueError, match="the burst memory check ran"):
+            generate(model, empty, 6)
+        assert generate(model, empty, 6, strategy="autoregressive").shape == (2, 6)
+    with pytest.raises(ValueError, match="the burst memory check ran"):
+        sigmafast.warmup(model, 2, 6)
+    known = torch.zeros(2, 6, dtype=torch.bool)
+    assert conditional_density(model, torch.zeros(2, 6, dtype=torch.long), known).shape == (2, 6, 7)
+    noised = DiffusionGPT(config, DiffusionConfig(noise="absorbing")).eval()
+    assert diffusion.generate(noised, empty, 6).shape == (2, 6)
