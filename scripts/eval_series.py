@@ -44,6 +44,8 @@ class EvalArgs:
         if not self.checkpoint:
             raise ValueError("--checkpoint is required")
         _floats(self.fractions)
+        if not 0 <= self.seed < 2**63:  # torch.Generator.manual_seed's range, as in scripts/sample.py
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
 
     def fraction_list(self) -> tuple[float, ...]:
         return _floats(self.fractions)

@@ -366,3 +366,10 @@ def test_eval_series_script(series_ckpt, capsys, monkeypatch):
     assert script.main(argv + ["--fractions", "0,x"]) == 2
     assert script.main(argv + ["--orders", "sideways"]) == 2
     assert "orders" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_eval_series_script_rejects_a_seed_out_of_range(seed, capsys, monkeypatch, tmp_path):
+    script = _eval_script(monkeypatch)  # checked before the checkpoint is read, as scripts/sample.py does
+    assert script.main(["--checkpoint", str(tmp_path / "ckpt.pt"), "--seed", seed]) == 2
+    assert f"--seed must be in [0, 2**63), got {seed}" in capsys.readouterr().err
