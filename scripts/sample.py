@@ -149,7 +149,7 @@ def render(task, canvas: torch.Tensor, known: torch.Tensor) -> str:
         return task.decode(torch.where(known, canvas, -1))
     if _is_text(task):
         return "".join(task.decode([int(t)]) if k else UNKNOWN for t, k in zip(canvas.tolist(), known.tolist()))
-    return " ".join(task.decode([int(t)]) if k else UNKNOWN for t, k in zip(canvas.tolist(), known.tolist()))
+    return " ".join(task.token_text(int(t)) if k else UNKNOWN for t, k in zip(canvas.tolist(), known.tolist()))
 
 
 class LiveView:

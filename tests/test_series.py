@@ -356,6 +356,19 @@ def _eval_script(monkeypatch):
     return module
 
 
+def test_live_view_shows_the_unit_once(vr, monkeypatch):
+    """sample.py --live renders tokens one by one: a vertical-rate row reads 'heavy_jet: 1000 _ ...', not
+    'heavy_jet: ft 1000 ft _ ...'."""
+    spec = importlib.util.spec_from_file_location("sample_script", REPO / "scripts" / "sample.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)
+    spec.loader.exec_module(script)
+    row = torch.tensor([vr.type_offset, 10, 12] + [0] * (vr.seq_len - 3))
+    known = torch.arange(vr.seq_len) < 3
+    assert script.render(vr, row, known) == "heavy_jet: 1000 1200 " + " ".join(["_"] * (vr.seq_len - 3))
+    assert vr.decode(row[:3]) == "heavy_jet: 1000 1200 ft"
+
+
 def test_eval_series_script(series_ckpt, capsys, monkeypatch):
     path, _ = series_ckpt
     script = _eval_script(monkeypatch)

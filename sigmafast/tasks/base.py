@@ -65,6 +65,10 @@ class Task:
         """Human-readable rendering of one sequence (of ``seq_len`` tokens when ``fixed_length``)."""
         return " ".join(str(int(t)) for t in tokens)
 
+    def token_text(self, token: int) -> str:
+        """One token as :meth:`decode` shows it inside a sequence (the live view renders tokens one by one)."""
+        return self.decode([token])
+
     def encode(self, text: str) -> list[int]:
         """Token ids of a text prompt (text tasks only)."""
         raise NotImplementedError(f"task {self.name!r} does not take text prompts")

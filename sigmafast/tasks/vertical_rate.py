@@ -271,15 +271,15 @@ class VerticalRateTask(SyntheticTask):
         on_level = (last - nearest).abs() <= e
         return {"within_limits": within.double().mean().item(), "valid": (within & on_level).double().mean().item()}
 
+    def token_text(self, token: int) -> str:
+        """An aircraft type as ``name:``, an altitude in ft (no unit), ``<bos>``, ``?`` for other ids."""
+        n_alt, v = self.type_offset, int(token)
+        if 0 <= v < n_alt:
+            return str(v * self.bin_ft)
+        if n_alt <= v < n_alt + len(AIRCRAFT):
+            return AIRCRAFT[v - n_alt].name + ":"
+        return "<bos>" if v == self.bos else "?"
+
     def decode(self, tokens) -> str:
-        """Aircraft types as ``name:``, altitudes in ft, ``<bos>``, ``?`` for other ids; then `` ft``."""
-        n_alt = self.type_offset
-
-        def show(v: int) -> str:
-            if 0 <= v < n_alt:
-                return str(v * self.bin_ft)
-            if n_alt <= v < n_alt + len(AIRCRAFT):
-                return AIRCRAFT[v - n_alt].name + ":"
-            return "<bos>" if v == self.bos else "?"
-
-        return " ".join(show(v) for v in token_list(tokens)) + " ft"
+        """The tokens as :meth:`token_text` shows them, then `` ft``."""
+        return " ".join(self.token_text(v) for v in token_list(tokens)) + " ft"
