@@ -198,6 +198,9 @@ def run(args: SampleArgs) -> int:
                              f"({T} tokens): shorten it")
         idx = torch.tensor(prompt, dtype=torch.long).expand(B, len(prompt)).to(args.device)
         kwargs["max_new_tokens"] = args.max_new_tokens if args.max_new_tokens is not None else T - len(prompt)
+        if task.fixed_length and len(prompt) + kwargs["max_new_tokens"] != T:
+            raise ValueError(f"task {task.name!r} has a fixed layout of {T} tokens: --max-new-tokens must be "
+                             f"{T - len(prompt)} or left out")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     if sigmafast.diffusion.objective_of(model) == "diffusion":
         if args.live:

@@ -332,6 +332,18 @@ def test_sample_script_renders_a_partial_maze():
     assert script.render(maze, row, torch.ones_like(known)) == maze.decode(row)
 
 
+def test_sample_script_refuses_a_partial_maze_before_sampling(monkeypatch):
+    """A fixed layout decodes only whole: --max-new-tokens short of it is an error before any sampling."""
+    from sigmafast.tasks import get_task
+
+    script = _sample_script()
+    maze = get_task("maze", height=5, width=5, n_walls=0, min_distance=2, val_size=8)
+    monkeypatch.setattr("sigmafast.train.load_checkpoint", lambda *a, **k: (maze.oracle, maze, None))
+    monkeypatch.setattr(script.sigmafast, "generate", lambda *a, **k: pytest.fail("sampled"))
+    with pytest.raises(ValueError, match=f"fixed layout of {maze.seq_len} tokens: --max-new-tokens must be"):
+        script.run(script.SampleArgs(checkpoint="maze.pt", max_new_tokens=10))
+
+
 SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "nonzero")
 
 
