@@ -10,7 +10,9 @@ Every flag is a field of :class:`SampleArgs`. Three modes:
   (three unknown tokens, then " sat"), not ``"The _ _ _ sat"``, whose spaces
   would be tokens of their own; with the char task one ``_`` is one character.
   For the other tasks the template is whitespace-separated token ids and ``_``
-  (``"3 _ _ 7"``), or, without spaces, one token per character (``"01__1"``).
+  (``"3 _ _ 7"``), or, without spaces, one token per character (``"01__1"``) when
+  every data id is one digit (step, product, maze); for the others ``"421"``
+  is the one id 421.
   A template shorter than ``--length`` (the task's length by default) is padded
   with unknown positions.
 
@@ -123,7 +125,8 @@ def parse_template(template: str, task, length: int) -> tuple[torch.Tensor, torc
                 tokens.append(0)
                 known.append(False)
     else:
-        items = template.split() if " " in template.strip() else list(template.strip())
+        one_digit_ids = task.vocab_size <= 11  # ids 0..9 and BOS: a template without spaces is one per character
+        items = template.split() if " " in template.strip() or not one_digit_ids else list(template.strip())
         for item in items:
             if item == UNKNOWN:
                 tokens.append(0)

@@ -306,6 +306,10 @@ def test_sample_script_parses_infill_templates():
     assert tokens.tolist() == [0, 1, 0, 0, 1, 0] and known.tolist() == [True, True, False, False, True, False]
     tokens, known = script.parse_template("3 _ 4", get_task("permutation", seq_len=6), 6)
     assert tokens[:3].tolist() == [3, 0, 4] and known.tolist() == [True, False, True, False, False, False]
+    tokens, known = script.parse_template("5", get_task("permutation", seq_len=12), 12)  # ids up to 11: one id
+    assert tokens[:2].tolist() == [5, 0] and known[:2].tolist() == [True, False]
+    tokens, known = script.parse_template("11", get_task("permutation", seq_len=12), 12)
+    assert tokens[:2].tolist() == [11, 0] and known[:2].tolist() == [True, False]
     with pytest.raises(ValueError, match="template"):
         script.parse_template("0 x", step, 6)
     for item in (str(step.bos), str(step.vocab_size)):  # BOS (2 here) and past the vocabulary are not data
