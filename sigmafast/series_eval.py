@@ -80,6 +80,9 @@ def _check_args(fractions, orders, samples_per_sequence, num_sequences, generato
         raise ValueError(f"fractions must be a non-empty sequence of numbers in [0, 1), got {fractions!r}")
     if not orders or not all(isinstance(o, str) and o in AR_ORDERS for o in orders):
         raise ValueError(f"orders must be a non-empty sequence of {AR_ORDERS}, got {orders!r}")
+    for name, values in (("fractions", fractions), ("orders", orders)):
+        if len(set(values)) < len(values):  # a repeat would sample its cells again, to show one of them
+            raise ValueError(f"{name} must not repeat a value, got {values!r}")
     for name, value in (("samples_per_sequence", samples_per_sequence), ("num_sequences", num_sequences)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")

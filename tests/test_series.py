@@ -334,7 +334,8 @@ def test_sequence_ci_groups_samples_by_sequence():
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(fractions=(1.0,)), ValueError, "fractions"), (dict(orders=("sideways",)), ValueError, "orders"),
     (dict(samples_per_sequence=0), ValueError, "samples_per_sequence"),
-    (dict(generator=3), TypeError, "generator"),
+    (dict(generator=3), TypeError, "generator"), (dict(fractions=(0.5, 0.5)), ValueError, "fractions must not repeat"),
+    (dict(orders=("random", "fractal", "random")), ValueError, "orders must not repeat"),
 ])
 def test_evaluate_prompted_bad_arguments(vr, kwargs, error, match):
     model = tiny_model(vocab_size=vr.vocab_size, block_size=vr.seq_len, dtype=torch.float32)
