@@ -232,8 +232,8 @@ def test_sampler_rejects_bad_arguments():
         sigmafast.generate(model, idx, 4)
     with pytest.raises(ValueError, match="max_new_tokens is required"):
         diffusion.generate(model, idx)
-    for steps in (0, 8):
-        with pytest.raises(ValueError, match="steps must be in 1..T = 1..7"):
+    for steps in (0, -3):
+        with pytest.raises(ValueError, match="steps must be >= 1"):
             diffusion.generate(model, idx, 4, steps=steps)
     for steps in (2.0, True):
         with pytest.raises(TypeError, match="steps must be an int"):
