@@ -115,19 +115,22 @@ def uniform_posterior(p0: torch.Tensor, x_t: torch.Tensor, alpha_t: torch.Tensor
     """(B, T, V) reverse law p(x_s | x_t) of uniform noise from the x0 law p0 (B, T, V).
 
     ``alpha_t`` < ``alpha_s`` are (B,) keep probabilities; p0 must be 0 on ``mask_id``.
-    The result is 0 on ``mask_id`` and sums to 1 (see the module docstring).
+    The result is 0 on ``mask_id`` and sums to 1 (see the module docstring). Its one (B, T, V) temporary
+    becomes the result: no one-hot of x_t, and no second copy of the vocabulary axis.
     """
-    B, T, V = p0.shape
-    K = V - 1
+    K = p0.shape[-1] - 1
     a_t, a_s = alpha_t[:, None, None], alpha_s[:, None, None]  # (B, 1, 1)
     a_ts = a_t / a_s
-    at_x_t = F.one_hot(x_t, V).to(p0.dtype)  # (B, T, V)
-    q_t = a_t * at_x_t + (1 - a_t) / K  # q(x_t | x_0 = v)
-    w = p0 / q_t
-    a_step = a_ts * at_x_t + (1 - a_ts) / K  # q(x_t | x_s = v)
-    post = a_step * (a_s * w + (1 - a_s) / K * w.sum(-1, keepdim=True))
-    post = post * data_ids(V, mask_id, p0.device)
-    return post / post.sum(-1, keepdim=True)
+    at = x_t.unsqueeze(-1)  # (B, T, 1): the one id where δ(v = x_t) is 1
+    off_t, off_step = (1 - a_t) / K, (1 - a_ts) / K  # q(x_t | x_0 = v), q(x_t | x_s = v) at v != x_t
+    w = p0 / off_t  # (B, T, V), the one temporary of this size
+    w.scatter_(-1, at, p0.gather(-1, at) / (off_t + a_t))
+    spread = (1 - a_s) / K * w.sum(-1, keepdim=True)  # (B, T, 1): (1 - α_s) W / K
+    post = w.mul_(a_s).add_(spread)  # α_s w(v) + (1 - α_s) W / K
+    on_step = post.gather(-1, at) * (off_step + a_ts)
+    post.mul_(off_step).scatter_(-1, at, on_step)  # times A(v)
+    post[..., mask_id] = 0
+    return post.div_(post.sum(-1, keepdim=True))
 
 
 class DiffusionBatch(NamedTuple):
