@@ -197,6 +197,10 @@ def test_chunked_loss_rejects_bad_targets():
         model.loss(x_t.double(), x_t, t)
     with pytest.raises(ValueError, match="x0 must have the shape of x_t"):
         model.loss(torch.zeros(2, 3, dtype=torch.long), x_t, t)
+    with pytest.raises(TypeError, match="x_t must be a .B, T. integer tensor, got torch.float64"):
+        model(x_t.double(), t)
+    with pytest.raises(ValueError, match=r"x_t must have shape \(B, T\), got \(8,\)"):
+        model(x_t.view(-1), t)
 
 
 def test_diffusion_config_parameterization():

@@ -150,8 +150,10 @@ class DiffusionGPT(nn.Module):
 
     def hidden_states(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """(B, T) noised tokens and (B,) times -> (B, T, C) final hidden states."""
-        if not isinstance(x_t, torch.Tensor) or x_t.dtype not in (torch.int64, torch.int32) or x_t.dim() != 2:
+        if not isinstance(x_t, torch.Tensor) or x_t.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"x_t must be a (B, T) integer tensor, got {getattr(x_t, 'dtype', type(x_t).__name__)}")
+        if x_t.dim() != 2:
+            raise ValueError(f"x_t must have shape (B, T), got {tuple(x_t.shape)}")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != x_t.shape[:1]:
             raise ValueError(f"t must be a float tensor of shape (B,) = ({x_t.shape[0]},), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
