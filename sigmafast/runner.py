@@ -21,7 +21,6 @@ batch. :func:`warmup` captures every step a call will need ahead of time.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -118,6 +117,27 @@ class _Graphs:
         return out
 
 
+class _EngineSlot:
+    """Holds :meth:`Engine.for_model`'s engine in the model's own ``__dict__``: the model and its engine (which
+    references the model, as its sessions do) then form a cycle that the garbage collector frees with the model,
+    where a global ``WeakKeyDictionary``'s values, strong references, kept every model in it alive. Copies and
+    pickles of the model get an empty slot (an engine serves the model it was built for only)."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: "Optional[Engine]" = None) -> None:
+        self.engine = engine
+
+    def __reduce__(self):
+        return (_EngineSlot, ())
+
+    def __deepcopy__(self, memo) -> "_EngineSlot":
+        return _EngineSlot()
+
+
+ENGINE_ATTR = "_sigmafast_engine"  # the model's __dict__ entry of its _EngineSlot
+
+
 def _check_model(model) -> None:
     if not is_sigma_gpt(model) or getattr(model, "objective", "sigma") != "sigma":
         raise TypeError(f"model must be a SigmaGPT, got {type(model).__name__}")
@@ -167,8 +187,6 @@ class Engine(EagerRunner):
     :func:`sigmafast.generate` in place of the model, or let ``generate`` use
     :meth:`for_model`'s engine.
     """
-
-    _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def __init__(self, model, *, buckets: Optional[bool] = None, cuda_graphs: Optional[bool] = None,
                  compile_steps: Optional[str] = None, max_sessions: int = 8, lookahead: bool = False,
@@ -222,13 +240,14 @@ class Engine(EagerRunner):
     @classmethod
     def for_model(cls, model) -> "Engine":
         """The engine ``generate`` uses for ``model``: kept with the model while graphs are worth keeping
-        (on CUDA), a fresh one otherwise."""
-        _check_model(model)  # before the lookup: the cache only takes models it can hold weak references to
-        engine = cls._by_model.get(model)
-        if engine is None:
+        (on CUDA), a fresh one otherwise. It lives as long as the model (see :class:`_EngineSlot`)."""
+        _check_model(model)  # before the lookup: only a module has the __dict__ that keeps the engine
+        slot = vars(model).get(ENGINE_ATTR)
+        engine = slot.engine if isinstance(slot, _EngineSlot) else None
+        if engine is None or engine.model is not model:  # none yet, or a shallow copy's of another model
             engine = cls(model)
             if engine.cuda_graphs:
-                cls._by_model[model] = engine
+                vars(model)[ENGINE_ATTR] = _EngineSlot(engine)
         return engine
 
     def _fingerprint(self) -> tuple:

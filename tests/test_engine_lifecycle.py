@@ -1,0 +1,62 @@
+"""An engine's life across calls: the engine kept per model, and the sessions and buffers it keeps.
+
+On CUDA an engine keeps its sessions, static buffers and captured graphs between calls, and ``generate`` keeps
+one engine per model (``Engine.for_model``). The ``graph_engines`` fixture gives the CPU such engines: every
+engine is built with buckets and ``cuda_graphs`` set, and a step the engine would capture or replay runs eagerly
+instead, so everything the engine keeps between calls is kept as on CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+from helpers import tiny_model
+
+import sigmafast
+from sigmafast import naive, runner
+
+T = 8
+VOCAB = 5
+
+
+@pytest.fixture
+def graph_engines(monkeypatch):
+    real_init = runner.Engine.__init__
+
+    def init(self, model, **kwargs):
+        real_init(self, model, **{"buckets": True, **kwargs})
+        self.cuda_graphs = True  # as on CUDA: sessions, static buffers and graphs kept between calls
+
+    monkeypatch.setattr(runner.Engine, "__init__", init)
+    monkeypatch.setattr(runner._Graphs, "run", lambda self, key, fn: fn())  # "replays" run eagerly
+
+
+def _model(seed: int = 3):
+    return tiny_model(VOCAB, T, seed=seed, std=0.5, dtype=torch.float32)
+
+
+def _prompt(B: int = 2, P: int = 3) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, P), generator=torch.Generator().manual_seed(B + P))
+
+
+def test_the_engine_kept_for_a_model_does_not_keep_it_alive(graph_engines):
+    """``generate(model, ...)`` keeps the model's engine (sessions, graphs) for its later calls, but not the model:
+    once the caller drops the model, model and engine are freed (GPU memory of checkpoints sampled in a loop)."""
+    model = _model()
+    got = sigmafast.generate(model, _prompt(), T - 3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got, naive.generate(model, _prompt(), T - 3, generator=torch.Generator().manual_seed(0)))
+    engine = sigmafast.Engine.for_model(model)
+    assert engine.model is model and engine._sessions  # kept, with the session of the call
+    assert sigmafast.Engine.for_model(model) is engine
+    for other in (copy.deepcopy(model), copy.copy(model), pickle.loads(pickle.dumps(model))):
+        assert sigmafast.Engine.for_model(other).model is other  # a copy gets an engine of its own
+    assert sigmafast.Engine.for_model(model) is engine
+    dead = weakref.ref(model), weakref.ref(engine)
+    del model, engine, other
+    gc.collect()
+    assert dead[0]() is None and dead[1]() is None
