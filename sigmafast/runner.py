@@ -21,6 +21,7 @@ batch. :func:`warmup` captures every step a call will need ahead of time.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -136,6 +137,15 @@ class _EngineSlot:
 
 
 ENGINE_ATTR = "_sigmafast_engine"  # the model's __dict__ entry of its _EngineSlot
+
+
+@contextlib.contextmanager
+def _kept():
+    """Where an engine allocates what it keeps between calls (sessions, static buffers): normal tensors, with
+    no autograd, even inside a caller's ``torch.inference_mode()``, whose inference tensors no later call
+    outside it could update in place."""
+    with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) alone enables autograd
+        yield
 
 
 def _check_model(model) -> None:
@@ -296,8 +306,9 @@ class Engine(EagerRunner):
         if self.cuda_graphs:
             session = self._sessions.pop((backend, size, T), None)
             if session is None:
-                session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
-                                        scoring=self._scoring, fused_gelu=self.fused_gelu)
+                with _kept():
+                    session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
+                                            scoring=self._scoring, fused_gelu=self.fused_gelu)
             self._sessions[(backend, size, T)] = session  # most recently used last
             if len(self._sessions) > self.max_sessions:  # bounded memory: caches, buffers and graphs
                 oldest = self._sessions.pop(next(iter(self._sessions)))
@@ -321,7 +332,8 @@ class Engine(EagerRunner):
         key = (id(session), kind)
         buffers = self._static.get(key)
         if buffers is None:
-            buffers = self._static[key] = type(tensors)(*(t.clone() for t in tensors))
+            with _kept():
+                buffers = self._static[key] = type(tensors)(*(t.clone() for t in tensors))
         else:
             for buf, t in zip(buffers, tensors):
                 if buf is not t:  # drawn in place (draw_buffers): nothing to copy
@@ -335,8 +347,9 @@ class Engine(EagerRunner):
         buffers = self._static.get(key)
         if buffers is None:
             B, T = session.canvas.shape
-            zeros = [torch.zeros(shape, dtype=DRAW_DTYPE, device=session.canvas.device)
-                     for shape in burst_shapes(B, num_orders, T)]
+            with _kept():
+                zeros = [torch.zeros(shape, dtype=DRAW_DTYPE, device=session.canvas.device)
+                         for shape in burst_shapes(B, num_orders, T)]
             buffers = self._static[key] = BurstDraws(*zeros)  # padding rows stay 0
         return buffers
 

@@ -60,3 +60,21 @@ def test_the_engine_kept_for_a_model_does_not_keep_it_alive(graph_engines):
     del model, engine, other
     gc.collect()
     assert dead[0]() is None and dead[1]() is None
+
+
+@pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
+def test_calls_in_inference_mode_leave_the_engine_usable_outside_it(graph_engines, strategy):
+    """What an engine keeps between calls is made of normal tensors: a warmup or a call inside
+    ``torch.inference_mode()`` (a server's) does not make later calls outside it fail to update them in place."""
+    model = _model()
+    kwargs = dict(strategy=strategy, generator=torch.Generator().manual_seed(0))
+    want = naive.generate(model, _prompt(), T - 3, **kwargs)
+    with torch.inference_mode():
+        engine = sigmafast.warmup(model, 2, T, strategy=strategy)
+        kwargs["generator"].manual_seed(0)
+        assert torch.equal(sigmafast.generate(engine, _prompt(), T - 3, **kwargs), want)
+    for context in (torch.no_grad, torch.enable_grad, torch.inference_mode):
+        with context():
+            kwargs["generator"].manual_seed(0)
+            assert torch.equal(sigmafast.generate(model, _prompt(), T - 3, **kwargs), want), context
+    assert sigmafast.Engine.for_model(model) is engine and len(engine._sessions) == 1
