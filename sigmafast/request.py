@@ -84,15 +84,27 @@ def nonfinite_error(what: str) -> ValueError:
 
 @contextlib.contextmanager
 def eval_mode(model):
-    """Run with dropout off, restoring the model's training flag afterwards."""
-    was_training = getattr(model, "training", False)
-    if was_training:
+    """Run with dropout off, restoring every submodule's training flag afterwards: a model in training whose
+    frozen parts are in eval mode gets them back so, and an eval model's stray training submodule drops out
+    nothing meanwhile."""
+    if not isinstance(model, nn.Module):  # an oracle: its own flag
+        was_training = getattr(model, "training", False)
+        if was_training:
+            model.eval()
+        try:
+            yield
+        finally:
+            if was_training:
+                model.train()
+        return
+    training = [m for m in model.modules() if m.training]
+    if training:
         model.eval()
     try:
         yield
     finally:
-        if was_training:
-            model.train()
+        for m in training:
+            m.training = True
 
 
 @contextlib.contextmanager

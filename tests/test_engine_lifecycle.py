@@ -78,3 +78,30 @@ def test_calls_in_inference_mode_leave_the_engine_usable_outside_it(graph_engine
             kwargs["generator"].manual_seed(0)
             assert torch.equal(sigmafast.generate(model, _prompt(), T - 3, **kwargs), want), context
     assert sigmafast.Engine.for_model(model) is engine and len(engine._sessions) == 1
+
+
+def _dropout_model():
+    torch.manual_seed(0)
+    config = sigmafast.SigmaGPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=16, dropout=0.5)
+    model = sigmafast.SigmaGPT(config)
+    with torch.no_grad():  # far from uniform conditionals, as tiny_model's: dropout changes the tokens
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("sample", [sigmafast.generate, naive.generate], ids=["generate", "naive"])
+def test_sampling_turns_every_dropout_off_and_restores_each_modules_training_flag(sample):
+    """Inside a training loop whose frozen parts are in eval mode, sampling leaves them in eval mode; an eval
+    model with a submodule left in training samples without dropout (the tokens of the model all in eval)."""
+    model = _dropout_model()
+    kwargs = dict(generator=torch.Generator().manual_seed(0))
+    want = naive.generate(copy.deepcopy(model).eval(), _prompt(), T - 3, **kwargs)
+    for setup in (lambda: model.train().h[0].eval(),  # training, with a frozen block
+                  lambda: model.eval().h[1].mlp.train()):  # an eval model with one submodule (its dropout) training
+        setup()
+        flags = [m.training for m in model.modules()]
+        kwargs["generator"].manual_seed(0)
+        assert torch.equal(sample(model, _prompt(), T - 3, **kwargs), want)
+        assert [m.training for m in model.modules()] == flags
