@@ -206,7 +206,8 @@ class Engine(EagerRunner):
         for name, flag in (("buckets", buckets), ("cuda_graphs", cuda_graphs)):
             if flag is not None and not isinstance(flag, bool):
                 raise TypeError(f"{name} must be None or a bool, got {type(flag).__name__}")
-        on_cuda = next(model.parameters()).is_cuda
+        self.device = next(model.parameters()).device  # where its sessions and graphs live
+        on_cuda = self.device.type == "cuda"
         self.model = model
         self.buckets = on_cuda if buckets is None else buckets
         self.cuda_graphs = (on_cuda and self.buckets) if cuda_graphs is None else cuda_graphs
@@ -254,7 +255,8 @@ class Engine(EagerRunner):
         _check_model(model)  # before the lookup: only a module has the __dict__ that keeps the engine
         slot = vars(model).get(ENGINE_ATTR)
         engine = slot.engine if isinstance(slot, _EngineSlot) else None
-        if engine is None or engine.model is not model:  # none yet, or a shallow copy's of another model
+        # none yet, a shallow copy's of another model, or one whose model has moved to another device since
+        if engine is None or engine.model is not model or engine.device != next(model.parameters()).device:
             engine = cls(model)
             if engine.cuda_graphs:
                 vars(model)[ENGINE_ATTR] = _EngineSlot(engine)
@@ -293,6 +295,9 @@ class Engine(EagerRunner):
             self._ar(session, plan, temperature, top_k)
 
     def _start(self, canvas: torch.Tensor, known: torch.Tensor) -> NeuralSession:
+        if self.cuda_graphs and canvas.device != self.device:  # a capture would hold none of its work
+            raise ValueError(f"this Engine captures CUDA graphs on {self.device}, but its model is now on "
+                             f"{canvas.device}: build an Engine for the model where it is")
         if self._fingerprint() != self._params:  # moved or replaced weights: captured graphs are stale
             self._sessions.clear()
             self._static.clear()

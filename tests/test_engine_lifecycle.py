@@ -105,3 +105,18 @@ def test_sampling_turns_every_dropout_off_and_restores_each_modules_training_fla
         kwargs["generator"].manual_seed(0)
         assert torch.equal(sample(model, _prompt(), T - 3, **kwargs), want)
         assert [m.training for m in model.modules()] == flags
+
+
+def test_a_model_moved_to_another_device_gets_an_engine_there(graph_engines):
+    """An engine's sessions and graphs live on the device it was built for: ``generate(model)`` after
+    ``model.to(device)`` takes a new engine, and an engine given explicitly refuses the moved model (on CUDA,
+    a graph captured on another device than its work's holds none of it: its replays did nothing)."""
+    model = _model()
+    engine = sigmafast.Engine.for_model(model)
+    assert sigmafast.Engine.for_model(model) is engine
+    model.to("meta")
+    moved = sigmafast.Engine.for_model(model)
+    assert moved is not engine and moved.device == torch.device("meta") and sigmafast.Engine.for_model(model) is moved
+    canvas = torch.zeros(2, T, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="captures CUDA graphs on cpu, but its model is now on meta"):
+        engine.start(canvas, torch.zeros_like(canvas, dtype=torch.bool))
