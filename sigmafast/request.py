@@ -111,10 +111,12 @@ def eval_mode(model):
 def inference(model):
     """No autograd, dropout off (the training flag restored afterwards) and autocast off: the model runs in
     its parameters' dtype, which is its KV cache's (an autocast around the call, as in nanoGPT's sample.py,
-    would hand the cache 16-bit keys). Cast the model itself to sample in 16 bits."""
+    would hand the cache 16-bit keys). Cast the model itself to sample in 16 bits. On CUDA the model's GPU is
+    the current device meanwhile: Triton launches its kernels, and CUDA graphs capture, on the current one."""
     param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
     no_autocast = torch.autocast(param.device.type, enabled=False) if param is not None else contextlib.nullcontext()
-    with torch.no_grad(), no_autocast, eval_mode(model):
+    on_gpu = torch.cuda.device(param.device) if param is not None and param.is_cuda else contextlib.nullcontext()
+    with torch.no_grad(), no_autocast, eval_mode(model), on_gpu:
         yield
 
 

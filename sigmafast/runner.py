@@ -94,6 +94,7 @@ class _Graphs:
         self.graphs: dict = {}
         self.seen: set = set()
         self.pool = None
+        self.stream = None  # the capture stream, on the engine's GPU (torch.cuda.graph's default is process-wide)
 
     def drop(self, session_id: int) -> None:
         """Forget the graphs of one session (keys carry the session's id second)."""
@@ -110,7 +111,9 @@ class _Graphs:
             self.seen.add(key)
             return fn()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()  # the current device: the model's, under request.inference
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             out = fn()
         self.pool = graph.pool()  # one memory pool for every step: outputs are cloned after each replay
         self.graphs[key] = (graph, out)

@@ -120,3 +120,18 @@ def test_a_model_moved_to_another_device_gets_an_engine_there(graph_engines):
     canvas = torch.zeros(2, T, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match="captures CUDA graphs on cpu, but its model is now on meta"):
         engine.start(canvas, torch.zeros_like(canvas, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_model_on_another_gpu_than_the_current_one_samples_there():
+    """Triton launches on the current device and a capture records on its stream: generate makes the model's
+    GPU current, so a model on cuda:1 (cuda:0 current) samples what it samples on cuda:0, captured steps too."""
+    torch.cuda.set_device(0)
+    models = [tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32).to(f"cuda:{i}") for i in (0, 1)]
+    with sigmafast.kernels.use_backend("triton"):
+        for seed in range(4):  # eager, captured, then replayed steps
+            outs = [sigmafast.generate(m, torch.zeros(3, 0, dtype=torch.long, device=m.lm_head.weight.device), T,
+                                       generator=torch.Generator().manual_seed(seed)).cpu() for m in models]
+            assert torch.equal(outs[0], outs[1]), seed
+    assert torch.cuda.current_device() == 0
