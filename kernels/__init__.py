@@ -41,7 +41,9 @@ its plan. The functions below pick one per call:
 Triton and the kernel modules are imported only when the Triton path is taken,
 so importing this package needs no triton (e.g. on macOS). Every function
 checks its arguments the same way on both paths (``checks``, ``step_checks``:
-the reference also takes float64, and any width or stride).
+the reference also takes float64, and any width or stride). Like any Triton kernel, a Triton op launches on
+the current CUDA device: call it for tensors on another GPU under ``torch.cuda.device(t.device)``, as
+``sigmafast.generate`` does for its model.
 """
 
 from __future__ import annotations
