@@ -28,7 +28,7 @@ import torch
 
 from . import kernels, steps
 from .engine import NeuralSession
-from .request import DRAW_DTYPE, BurstDraws, burst_shapes, is_sigma_gpt
+from .request import DRAW_DTYPE, BurstDraws, burst_shapes, check_int, is_sigma_gpt
 from .scoring import SCORING_CHOICES, MeasuredScoring
 
 __all__ = ["Engine", "EagerRunner", "runner_for"]
@@ -241,11 +241,7 @@ class Engine(EagerRunner):
         if pdl and not kernels.pdl_supported(next(model.parameters()).device):
             raise ValueError("pdl=True needs a model on a CUDA GPU of compute capability 9 or more (Hopper)")
         self.pdl = pdl
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int):
-            raise TypeError(f"max_sessions must be an int, got {type(max_sessions).__name__}")
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions!r}")
-        self.max_sessions = max_sessions
+        self.max_sessions = check_int("max_sessions", max_sessions, 1)
         self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing, LRU order
         self._static: dict = {}  # (id(session), kind) -> static input buffers
         self._graphs = _Graphs()
@@ -358,7 +354,7 @@ class Engine(EagerRunner):
             with _kept():
                 zeros = [torch.zeros(shape, dtype=DRAW_DTYPE, device=session.canvas.device)
                          for shape in burst_shapes(B, num_orders, T)]
-            buffers = self._static[key] = BurstDraws(*zeros)  # padding rows stay 0
+            buffers = self._static[key] = BurstDraws(*zeros)  # padding rows: any draws (they commit nothing)
         return buffers
 
     def _burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny_model
@@ -251,6 +252,7 @@ def test_engine_defaults_and_bad_input(model):
         sigmafast.Engine(model, max_sessions=0)
     with pytest.raises(TypeError, match="max_sessions must be an int, got bool"):
         sigmafast.Engine(model, max_sessions=True)
+    assert sigmafast.Engine(model, max_sessions=np.int64(3)).max_sessions == 3  # as generate's integers
     with pytest.raises(TypeError, match="lookahead must be a bool"):
         sigmafast.Engine(model, lookahead=1)
     with pytest.raises(ValueError, match="lookahead=True needs buckets=True"):
