@@ -330,15 +330,16 @@ class SigmaGPT(nn.Module):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(B, T) tokens, in_pos, out_pos[, targets] -> logits (B, T, V), loss or None.
 
-        Targets equal to -1 are ignored by the loss. Training uses :meth:`loss`,
-        which never materialises the (B, T, V) logits.
+        Targets equal to -1 are ignored by the loss, ``sum CE / max(1, N_valid)`` as :meth:`loss` (0, not NaN,
+        when every target is ignored). Training uses :meth:`loss`, which never materialises the (B, T, V) logits.
         """
         logits = self.lm_head(self.hidden_states(tokens, in_pos, out_pos))  # (B, T, V)
         loss = None
         if targets is not None:
             self._check_targets(targets, tokens)
             logits32 = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
-            loss = F.cross_entropy(logits32, targets.flatten(), ignore_index=-1)
+            total = F.cross_entropy(logits32, targets.flatten(), ignore_index=-1, reduction="sum")
+            loss = total / (targets != -1).sum().clamp_min(1)
         return logits, loss
 
     def loss(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor,

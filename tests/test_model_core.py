@@ -120,3 +120,22 @@ def test_dropout_acts_at_every_site_in_training_only(monkeypatch):
     plain = SigmaGPT(SigmaGPTConfig(**{**config.to_dict(), "dropout": 0.0})).eval()
     plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(logits, plain(*batch[:3])[0], rtol=0, atol=0)
+
+
+def test_forward_loss_of_a_batch_without_targets_is_zero_as_loss_is():
+    """``forward``'s loss, like :meth:`SigmaGPT.loss`, is ``sum CE / max(1, N_valid)``: a micro-batch whose targets
+    are all ignored (padding), or empty, gives 0 and zero gradients, not NaN (which would poison a sum of losses)."""
+    torch.manual_seed(0)
+    model = SigmaGPT(SigmaGPTConfig(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    x = torch.randint(0, 10, (2, 6), generator=torch.Generator().manual_seed(1))
+    tokens, in_pos, out_pos, targets = orders.shuffle(x, orders.left_to_right(2, 6), 10, 16)
+    for t in (torch.full_like(targets, -1), targets[:, :0]):
+        T = t.shape[1]
+        _, loss = model(tokens[:, :T], in_pos[:, :T], out_pos[:, :T], t)
+        assert loss.item() == 0.0 and loss.item() == model.loss(tokens[:, :T], in_pos[:, :T], out_pos[:, :T], t).item()
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        assert all(not p.grad.any() for p in model.parameters() if p.grad is not None)
+    targets[0, 1:] = -1
+    _, loss = model(tokens, in_pos, out_pos, targets)
+    torch.testing.assert_close(loss, model.loss(tokens, in_pos, out_pos, targets))
