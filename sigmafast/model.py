@@ -182,12 +182,8 @@ class SigmaGPT(nn.Module):
         if config.absolute == "learned":
             self.wpe_in = nn.Embedding(n_pos, half)
             self.wpe_out = nn.Embedding(n_pos, half)
-        elif config.absolute == "sinusoidal":
-            self.register_buffer("pe_table", sinusoidal_table(n_pos, half), persistent=False)
-        if config.rotary:
-            turn_cos, turn_sin = turn_tables(*rotary_tables(n_pos, config.head_dim))  # (n_pos, D): Rotary's
-            self.register_buffer("rope_turn_cos", turn_cos, persistent=False)
-            self.register_buffer("rope_turn_sin", turn_sin, persistent=False)
+        for name, table in self._position_tables().items():
+            self.register_buffer(name, table, persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = (ScalarGainNorm(config.n_embd) if config.final_norm == "scalar"
@@ -201,6 +197,29 @@ class SigmaGPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         if config.embedding_init == "orthogonal":
             self._orthogonal_embedding(self.lm_head.weight)
+
+    def _position_tables(self) -> dict[str, torch.Tensor]:
+        """The fixed float32 position tables, by buffer name: the sinusoidal one (n_pos, C / 2), RoPE's turns
+        (n_pos, D)."""
+        config, n_pos = self.config, self.config.block_size + 1  # + the START position
+        tables = {}
+        if config.absolute == "sinusoidal":
+            tables["pe_table"] = sinusoidal_table(n_pos, config.n_embd // 2)
+        if config.rotary:
+            tables["rope_turn_cos"], tables["rope_turn_sin"] = turn_tables(*rotary_tables(n_pos, config.head_dim))
+        return tables
+
+    def _apply(self, fn, recurse=True):
+        """``to``, ``float``, ``cuda``...; then the position tables it replaced are rebuilt in their new dtype and
+        device, so that a round trip through 16 bits (``model.bfloat16().float()``) leaves them exact. Tables it
+        left in place stay (an engine's captured graphs read them)."""
+        before = {name: getattr(self, name) for name in self._buffers}
+        super()._apply(fn, recurse)
+        for name, table in self._position_tables().items():
+            now = getattr(self, name)
+            if now is not before[name]:
+                setattr(self, name, table.to(device=now.device, dtype=now.dtype))
+        return self
 
     @staticmethod
     @torch.no_grad()

@@ -139,3 +139,19 @@ def test_forward_loss_of_a_batch_without_targets_is_zero_as_loss_is():
     targets[0, 1:] = -1
     _, loss = model(tokens, in_pos, out_pos, targets)
     torch.testing.assert_close(loss, model.loss(tokens, in_pos, out_pos, targets))
+
+
+@pytest.mark.parametrize("pos_encoding", ["sinusoidal", "rope", "rope-v+learned"])
+def test_position_tables_are_exact_after_a_round_trip_through_16_bits(pos_encoding):
+    """The fixed tables are buffers, cast with the model; casting back rebuilds them instead of widening the
+    rounded ones. A cast that changes nothing keeps the very tensors (captured graphs read them)."""
+    config = SigmaGPTConfig(vocab_size=11, block_size=40, n_layer=1, n_head=2, n_embd=32, pos_encoding=pos_encoding)
+    fresh = dict(SigmaGPT(config).named_buffers())
+    model = SigmaGPT(config)
+    kept = dict(model.named_buffers())
+    model.float()
+    assert all(b is kept[name] for name, b in model.named_buffers())
+    model.bfloat16()
+    assert all(b.dtype == torch.bfloat16 for b in model.buffers())
+    model.float()
+    assert fresh and all(torch.equal(b, fresh[name]) for name, b in model.named_buffers())
