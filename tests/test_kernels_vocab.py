@@ -147,6 +147,36 @@ def test_draft_outside_the_vocabulary_has_log_q_minus_inf(poisoned_empty):
     torch.testing.assert_close(got[3:], want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN logits
+@pytest.mark.parametrize("poison", ["nan", "+inf", "all--inf"])
+@pytest.mark.parametrize("bv", [None, 16], ids=["whole-row", "chunk16"])
+def test_a_row_without_a_distribution_still_draws_a_token_inside_the_vocabulary(poison, bv, poisoned_empty):
+    """A row holding a NaN or +inf, or no finite logit, has no distribution: its token is unspecified (the flag
+    reports the row), but it is an index into the vocabulary, as the reference's is, so that the lookups that
+    read it (the canvas, the next forward's embeddings) stay in bounds; the other rows draw as usual."""
+    g = torch.Generator().manual_seed(len(poison) + (bv or 0))
+    N, V, bad = 6, 100, [1, 4]
+    q = torch.randn(N, V, generator=g) * 3
+    p = q + torch.randn(N, V, generator=g)
+    p[2] = q[2]  # an empty residual: q's law
+    for x, rows in ((q, bad), (p, [4])):  # residual: a bad q row with a fine p row, and one with a bad p row
+        if poison == "all--inf":
+            x[rows] = float("-inf")
+        else:
+            x[rows, 37] = float("nan") if poison == "nan" else float("inf")
+    u = torch.rand(N, generator=g)
+    good = torch.tensor([i not in bad for i in range(N)])
+    for T, k in ((1.0, None), (0.7, 5)):
+        probs = ref.log_probs(q, T, k).exp()
+        for name, tokens, want in (("sample", sample(q, u, T, k, block_v=bv)[0], ref.sample(q, u, T, k)[0]),
+                                   ("residual", residual_sample(q, p, u, T, k, block_v=bv),
+                                    ref.residual_sample(q, p, u, T, k))):
+            assert torch.all((want >= 0) & (want < V)), "the reference's tokens are ids"
+            assert torch.all((tokens >= 0) & (tokens < V)), f"{name}, T {T}, top-k {k}: {tokens.tolist()}"
+            if name == "sample":
+                _assert_same_tokens(tokens[good], want[good], probs[good], u[good])
+
+
 def test_greedy_argmax_ties_across_chunks():
     """The first index of the max, also when it is repeated in later chunks (and in the same chunk)."""
     x = torch.randn(6, 100)
@@ -158,6 +188,18 @@ def test_greedy_argmax_ties_across_chunks():
     for bv in (8, 32, None):
         assert torch.equal(draft_logq(x, torch.zeros(6, dtype=torch.long), 0.0, None, bv), x.argmax(-1))
     assert draft_logq(x, torch.zeros(6, dtype=torch.long), 0.0, None, 8)[:3].tolist() == [10, 98, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("V, bv", [(63, None), (63, 16), (125, None)], ids=["V63", "V63-chunk16", "V125"])
+def test_greedy_argmax_at_the_end_of_shifted_rows(V, bv, dtype, poisoned_empty):
+    """Rows at an odd stride start up to ALIGN - 1 columns into their 16-byte window, so their last columns lie
+    past the last whole chunk of V columns: the argmax reads the window's last chunk too, whatever the shift."""
+    g = torch.Generator().manual_seed(V + (bv or 0))
+    x = torch.randn(9, V + 2, generator=g).to(dtype)[:, :V]  # an odd row stride: every shift into the windows
+    x[torch.arange(9), V - 1 - torch.arange(9) % 3] = 50.0  # each row's max in one of its last three columns
+    drafts = torch.zeros(9, dtype=torch.long)
+    assert torch.equal(draft_logq(x, drafts, 0.0, None, bv), x.float().argmax(-1))
 
 
 def test_multi_chunk_chi_square():
