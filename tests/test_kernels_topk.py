@@ -272,3 +272,51 @@ def test_kth_largest_of_a_pair_matches_each(case, dtype, poisoned_empty):
     want = torch.cat([ref.kth_largest(x, k).float(), ref.kth_largest(y, k).float()])
     assert got.shape == (n_x + n_y,)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_overflow_scans_reach_the_last_columns_of_shifted_rows(dtype, poisoned_empty):
+    """Rows whose candidates overflow ``cap`` are scanned whole, in SCAN_V-column steps over their aligned
+    windows: a row at an odd stride starts up to ALIGN - 1 columns into its window, so with V = SCAN_V - 1 its
+    last columns lie past the first SCAN_V window columns. The k-th largest and the top-k log q both count them."""
+    from sigmafast.kernels import accept
+
+    N, V, k = 8, topk.SCAN_V - 1, 3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, V + 2, generator=g).to(dtype)[:, :V]  # an odd row stride: every shift into the windows
+    x[:, V - 1] = 30.0 + torch.arange(N)  # each row's two largest values in its last columns
+    x[:, V - 2] = 20.0 + torch.arange(N)
+    x[torch.arange(N), torch.randint(0, V - 2, (N,), generator=g)] = 10.0
+    got = kth_largest(x, k, cap=2, chunks_per_k=1)  # k > cap: every row overflows
+    torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0)
+    drafts = torch.where(torch.arange(N) % 2 == 0, V - 1, x.float().argmin(-1))  # its max, or below the threshold
+    logq = on_triton_device(accept.topk_logq)(x, drafts, 0.8, k, cap=2, chunks_per_k=1)
+    want = ref.log_probs(x.float(), 0.8, k).gather(-1, drafts[:, None]).squeeze(-1)
+    assert torch.equal(logq.isfinite(), want.isfinite())
+    torch.testing.assert_close(logq[want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("extra", [-1, 0, 1], ids=["cap-1", "cap", "cap+1"])
+def test_candidate_counts_around_the_cap(extra, dtype, poisoned_empty):
+    """Rows with cap - 1, cap and cap + 1 candidates (the k largest values, one per chunk, above all the others):
+    up to cap they are summed from the list, one more overflows it (the last slot is not stored) and the row is
+    scanned; the k-th largest and the top-k log q are exact either way."""
+    from sigmafast.kernels import accept
+
+    N, V, cap = 4, 1000, 8
+    k = cap + extra
+    g = torch.Generator().manual_seed(k)
+    x = -1 - 9 * torch.rand(N, V, generator=g)
+    for i in range(N):  # k positive values in k distinct 16-column chunks
+        x[i, torch.randperm(V // 16, generator=g)[:k] * 16 + i] = 1 + torch.rand(k, generator=g) * 4
+    x = x.to(dtype)
+    _, _, count = topk.prefilter(x, k, topk.prefilter_config(V, dtype, k, None, 16, 1), cap)
+    assert count.tolist() == [k] * N
+    got = kth_largest(x, k, None, 16, cap=cap, chunks_per_k=1)
+    torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0)
+    drafts = torch.where(torch.arange(N) % 2 == 0, x.float().argmax(-1), torch.randint(0, V, (N,), generator=g))
+    logq = on_triton_device(accept.topk_logq)(x, drafts, 0.8, k, None, 16, cap=cap, chunks_per_k=1)
+    want = ref.log_probs(x.float(), 0.8, k).gather(-1, drafts[:, None]).squeeze(-1)
+    assert torch.equal(logq.isfinite(), want.isfinite())
+    torch.testing.assert_close(logq[want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-5)
