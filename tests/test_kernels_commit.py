@@ -28,6 +28,7 @@ CASES = [
     (1, 4, 3, 3, 16, 32, "full", "mixed", "contiguous"),  # lens + n reaches the cache end
     (2, 2, 2, 2, 8, 16, "ragged", "none", "shared"),  # nothing accepted
     (2, 3, 5, 4, 17, 64, "ragged", "mixed-strided", "shared"),  # choice and n strided views (a packed plan)
+    (2, 3, 3, 2, 9, 32, "ragged", "mixed", "keys-contiguous"),  # keys and values of different strides
 ]
 
 
@@ -62,6 +63,10 @@ def _state(case, seed: int, dtype: torch.dtype):
         qkv = torch.randn(nl, B, O, R, 3 * H * D, generator=g).to(dtype)
         kv = qkv[..., H * D:].unflatten(-1, (2, H, D)).permute(4, 0, 1, 2, 5, 3, 6)
         keys, values = kv[0], kv[1]
+    elif layout == "keys-contiguous":  # the values a view of the projection buffer, each read with its strides
+        qkv = torch.randn(nl, B, O, R, 3 * H * D, generator=g).to(dtype)
+        keys = torch.randn(nl, B, O, H, R, D, generator=g).to(dtype)
+        values = qkv[..., 2 * H * D:].unflatten(-1, (H, D)).transpose(3, 4)
     else:
         keys, values = (torch.randn(nl, B, O, H, R, D, generator=g).to(dtype) for _ in range(2))
     slot = torch.arange(T + 1)[None, None, None, :, None]

@@ -141,3 +141,35 @@ def test_decide_never_clears_the_flag():
     flag = torch.ones((), dtype=torch.bool, device=args[0].device)
     decide_module.decide(*args, 0.9, "paper", flag)
     assert bool(flag)
+
+
+def _view(t, fill, kind, device):
+    """``t``'s values in a view on ``device`` with other strides than a contiguous (B, O, R) tensor's: every
+    other order of a wider buffer, or steps padded to R + 3; the buffer's other elements are ``fill``."""
+    B, O, R = t.shape
+    if kind == "every-other-order":
+        full = torch.full((B, 2 * O, R), fill, dtype=t.dtype, device=device)
+        full[:, ::2] = t.to(device)
+        return full[:, ::2]
+    full = torch.full((B, O, R + 3), fill, dtype=t.dtype, device=device)
+    full[..., :R] = t.to(device)
+    return full[..., :R]
+
+
+@pytest.mark.parametrize("mode", ["sample", "greedy"])
+@pytest.mark.parametrize("case", CASES[1:3], ids=_ids)
+def test_decide_reads_each_input_with_its_own_strides(case, mode, poisoned_empty):
+    """Uniforms, drafts and greedy scores as views of wider buffers (whose other elements would flip the
+    decisions: uniforms 0, drafts and scores -1): the kernel reads each with its own strides."""
+    greedy = mode == "greedy"
+    temperature = 0.0 if greedy else 0.9
+    device = triton_device()
+    for seed in range(2):
+        scores, drafts, draft_logp, uniforms, lengths = _inputs(case, seed, greedy)
+        want = ref.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, "lossless")
+        views = (_view(scores, -1 if greedy else 0.0, "padded-steps", device),
+                 _view(drafts, -1, "every-other-order", device), draft_logp.to(device),
+                 _view(uniforms, 0.0, "every-other-order" if seed else "padded-steps", device), lengths.to(device))
+        got = decide_module.decide(*views, temperature, "lossless")
+        for name in want._fields:
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
