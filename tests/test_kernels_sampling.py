@@ -42,7 +42,7 @@ def _sid(c):
 
 
 @pytest.mark.parametrize("case", SAMPLE_CASES, ids=_sid)
-def test_sample_matches_reference(case):
+def test_sample_matches_reference(case, poisoned_empty):
     N, V, T, k, bv = case
     g = torch.Generator().manual_seed(V + N)
     logits = torch.randn(N, V, generator=g) * 3
@@ -116,7 +116,7 @@ RESIDUAL_CASES = [(128, 60, 1.0, None, None), (128, 300, 0.8, None, 64), (128, 3
 
 
 @pytest.mark.parametrize("case", RESIDUAL_CASES, ids=_sid)
-def test_residual_matches_reference(case):
+def test_residual_matches_reference(case, poisoned_empty):
     N, V, T, k, bv = case
     g = torch.Generator().manual_seed(V + 3)
     q = torch.randn(N, V, generator=g) * 2
@@ -155,7 +155,7 @@ ACCEPT_CASES = [
     ACCEPT_CASES,
     ids=lambda c: f"B{c[0]}-O{c[1]}-R{c[2]}-V{c[3]}-T{c[4]}-k{c[5]}" + ("-chunk64" if c[6] else ""),
 )
-def test_acceptance_matches_reference(case, rule):
+def test_acceptance_matches_reference(case, rule, poisoned_empty):
     B, O, R, V, T, k, bv = case
     g = torch.Generator().manual_seed(B * 100 + R)
     logits = torch.randn(B, O, R, V, generator=g) * 2
