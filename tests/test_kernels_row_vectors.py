@@ -3,7 +3,8 @@ strided views: every Triton op reads them as the views say, as the reference doe
 
 The kernels read such a vector at ``base + b``; a strided view (an every-other-element slice of a packed
 buffer) once made the commit read wrong counts silently. Each case runs an op on contiguous vectors and on
-strided copies of them, and compares the results exactly.
+strided copies of them, and compares the results exactly; each op's comparison with the reference on contiguous
+inputs is in its own test file.
 """
 
 from __future__ import annotations
