@@ -58,7 +58,8 @@ class DiffusionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DiffusionConfig":
-        return cls(**{"parameterization": "plain", **known_fields(cls, d)})  # checkpoints older than the field are "plain"
+        # checkpoints older than the field are "plain"
+        return cls(**{"parameterization": "plain", **known_fields(cls, d)})
 
 
 def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
