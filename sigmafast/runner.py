@@ -259,6 +259,8 @@ class Engine(EagerRunner):
             engine = cls(model)
             if engine.cuda_graphs:
                 vars(model)[ENGINE_ATTR] = _EngineSlot(engine)
+            else:  # moved off the GPU: the old engine's graphs and caches go now, not when the model does
+                vars(model).pop(ENGINE_ATTR, None)
         return engine
 
     def _fingerprint(self) -> tuple:

@@ -122,6 +122,25 @@ def test_a_model_moved_to_another_device_gets_an_engine_there(graph_engines):
         engine.start(canvas, torch.zeros_like(canvas, dtype=torch.bool))
 
 
+def test_a_model_moved_off_the_gpu_drops_its_kept_engine(monkeypatch):
+    """A model moved where graphs are not captured (the CPU, for a CUDA model) gets a fresh engine each call, and
+    the engine kept from before goes at once, with its caches and graphs, not when the model does."""
+    real_init = runner.Engine.__init__
+
+    def init(self, model, **kwargs):
+        real_init(self, model, **{"buckets": True, **kwargs})
+        self.cuda_graphs = self.device.type == "cpu"  # "cpu" plays CUDA here, "meta" plays the CPU
+
+    monkeypatch.setattr(runner.Engine, "__init__", init)
+    model = _model()
+    kept = weakref.ref(sigmafast.Engine.for_model(model))
+    assert sigmafast.Engine.for_model(model) is kept()
+    model.to("meta")
+    assert not sigmafast.Engine.for_model(model).cuda_graphs
+    gc.collect()
+    assert kept() is None and runner.ENGINE_ATTR not in vars(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_model_on_another_gpu_than_the_current_one_samples_there():
