@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from sigmafast.request import AR_ORDERS
+from sigmafast.request import AR_ORDERS, check_seed
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -44,8 +44,7 @@ class EvalArgs:
         if not self.checkpoint:
             raise ValueError("--checkpoint is required")
         _floats(self.fractions)
-        if not 0 <= self.seed < 2**63:  # torch.Generator.manual_seed's range, as in scripts/sample.py
-            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        check_seed("--seed", self.seed)
 
     def fraction_list(self) -> tuple[float, ...]:
         return _floats(self.fractions)

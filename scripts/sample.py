@@ -37,7 +37,7 @@ import torch
 
 import sigmafast
 from sigmafast.checkpoint import check_device
-from sigmafast.request import ACCEPTANCE_RULES, AR_ORDERS, STRATEGIES
+from sigmafast.request import ACCEPTANCE_RULES, AR_ORDERS, STRATEGIES, check_seed
 
 UNKNOWN = "_"
 
@@ -71,8 +71,7 @@ class SampleArgs:
             self.num_orders = 1 if self.acceptance == "lossless" else 5
         if self.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
-        if not 0 <= self.seed < 2**63:  # torch.Generator.manual_seed's range
-            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        check_seed("--seed", self.seed)
         if self.length is not None and self.infill is None:
             raise ValueError("--length is the canvas length of --infill: pass --infill, or --max-new-tokens instead")
         if self.max_new_tokens is not None and self.max_new_tokens < 0:

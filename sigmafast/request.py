@@ -87,17 +87,7 @@ def eval_mode(model):
     """Run with dropout off, restoring every submodule's training flag afterwards: a model in training whose
     frozen parts are in eval mode gets them back so, and an eval model's stray training submodule drops out
     nothing meanwhile."""
-    if not isinstance(model, nn.Module):  # an oracle: its own flag
-        was_training = getattr(model, "training", False)
-        if was_training:
-            model.eval()
-        try:
-            yield
-        finally:
-            if was_training:
-                model.train()
-        return
-    training = [m for m in model.modules() if m.training]
+    training = [m for m in model.modules() if m.training] if isinstance(model, nn.Module) else []  # oracles: none
     if training:
         model.eval()
     try:
@@ -151,6 +141,14 @@ def check_int(name: str, value, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_seed(name: str, seed: int) -> int:
+    """``seed`` when it is in ``torch.Generator.manual_seed``'s range [0, 2**63) (a larger one overflows, a
+    negative one wraps silently), else a ``ValueError`` naming ``name``."""
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{name} must be in [0, 2**63), got {seed}")
+    return seed
 
 
 def check_burst_memory(model, req: Request) -> None:

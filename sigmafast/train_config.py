@@ -24,6 +24,7 @@ from .diffusion.noise import NOISES
 from .loss import LOSS_WEIGHTINGS
 from .model_config import EMBEDDING_INITS, FINAL_NORMS, POS_ENCODINGS, PRESETS
 from .orders import ORDER_NAMES
+from .request import check_seed
 from .tasks import TASK_NAMES, task_arguments
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -188,8 +189,7 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"TrainConfig.{f.name} must be a finite number, got {value!r}")
         _check_choice("task", self.task, TASK_NAMES)
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
+        check_seed("TrainConfig.seed", self.seed)
         for name in PATH_FIELDS:  # absolute, so that --resume from another folder reads the same files
             if getattr(self, name) is not None:
                 setattr(self, name, os.path.abspath(getattr(self, name)))
