@@ -24,16 +24,22 @@ T = 8
 VOCAB = 5
 
 
-@pytest.fixture
-def graph_engines(monkeypatch):
+def _keep_graphs(monkeypatch, on=lambda device: True) -> None:
+    """Engines built with buckets and, on the devices ``on`` names, ``cuda_graphs`` set: as on CUDA, sessions,
+    static buffers and graphs are kept between calls; "replays" run eagerly."""
     real_init = runner.Engine.__init__
 
     def init(self, model, **kwargs):
         real_init(self, model, **{"buckets": True, **kwargs})
-        self.cuda_graphs = True  # as on CUDA: sessions, static buffers and graphs kept between calls
+        self.cuda_graphs = on(self.device)
 
     monkeypatch.setattr(runner.Engine, "__init__", init)
-    monkeypatch.setattr(runner._Graphs, "run", lambda self, key, fn: fn())  # "replays" run eagerly
+    monkeypatch.setattr(runner._Graphs, "run", lambda self, key, fn: fn())
+
+
+@pytest.fixture
+def graph_engines(monkeypatch):
+    _keep_graphs(monkeypatch)
 
 
 def _model(seed: int = 3):
@@ -125,13 +131,7 @@ def test_a_model_moved_to_another_device_gets_an_engine_there(graph_engines):
 def test_a_model_moved_off_the_gpu_drops_its_kept_engine(monkeypatch):
     """A model moved where graphs are not captured (the CPU, for a CUDA model) gets a fresh engine each call, and
     the engine kept from before goes at once, with its caches and graphs, not when the model does."""
-    real_init = runner.Engine.__init__
-
-    def init(self, model, **kwargs):
-        real_init(self, model, **{"buckets": True, **kwargs})
-        self.cuda_graphs = self.device.type == "cpu"  # "cpu" plays CUDA here, "meta" plays the CPU
-
-    monkeypatch.setattr(runner.Engine, "__init__", init)
+    _keep_graphs(monkeypatch, on=lambda device: device.type == "cpu")  # "cpu" plays CUDA, "meta" the CPU
     model = _model()
     kept = weakref.ref(sigmafast.Engine.for_model(model))
     assert sigmafast.Engine.for_model(model) is kept()
