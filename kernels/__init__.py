@@ -39,7 +39,9 @@ its plan. The functions below pick one per call:
   ``tl.dot`` returns garbage in it).
 
 Triton and the kernel modules are imported only when the Triton path is taken,
-so importing this package needs no triton (e.g. on macOS). Every function
+so importing this package needs no triton (e.g. on macOS). The kernels need triton >= 3.5 (``MIN_TRITON``,
+``support``): without it, ``auto`` takes the reference (with a warning for CUDA tensors), and an explicit
+``triton`` raises ``TritonUnavailable``; ``triton_problem()`` says why. Every function
 checks its arguments the same way on both paths (``checks``, ``step_checks``:
 the reference also takes float64, and any width or stride). Like any Triton kernel, a Triton op launches on
 the current CUDA device: call it for tensors on another GPU under ``torch.cuda.device(t.device)``, as
@@ -51,12 +53,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import warnings
 from types import ModuleType
 from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from . import checks, reference, step_checks
+from . import checks, reference, step_checks, support
+from .support import MIN_TRITON, TritonUnavailable, require_triton, triton_problem
 from .reference import Acceptance
 
 BACKENDS = ("auto", "triton", "reference")
@@ -105,8 +109,9 @@ def pdl_enabled() -> bool:
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether ``device`` has programmatic dependent launch: a CUDA GPU of compute capability 9 or more."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether ``device`` has programmatic dependent launch: a CUDA GPU of compute capability 9 or more, with
+    triton >= 3.5 (``support.PDL_TRITON``)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and support.triton_has_pdl()
 
 
 def backend_for(t: torch.Tensor) -> str:
@@ -118,16 +123,25 @@ def backend_for(t: torch.Tensor) -> str:
     if name == "auto":
         if t.dtype not in _TRITON_DTYPES:
             return "reference"
-        if t.is_cuda:
-            return "triton"
         interpreted = os.environ.get("TRITON_INTERPRET") == "1" and t.dtype != torch.bfloat16
-        return "triton" if interpreted else "reference"
+        return "triton" if (t.is_cuda or interpreted) and _triton_runs(t) else "reference"
     if name == "triton":
         _check_triton_device(t, "the triton backend")
     return name
 
 
+def _triton_runs(t: torch.Tensor) -> bool:
+    """Whether the kernels can run (``support``); if not, say once that CUDA tensors take the reference."""
+    problem = triton_problem()
+    if problem is not None and t.is_cuda:
+        warnings.warn(f"sigmafast.kernels: the fused Triton kernels need triton >= {support.required_version()}; "
+                      f"{problem}. CUDA tensors take the slower PyTorch reference path.", RuntimeWarning,
+                      stacklevel=3)
+    return problem is None
+
+
 def _check_triton_device(t: torch.Tensor, what: str) -> None:
+    require_triton(what)
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{what} needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported, for "
                          f"tensors on {t.device}")
@@ -146,7 +160,7 @@ def _resolve(backend: Optional[str], t: torch.Tensor) -> str:
 
 
 def _no_triton(e: ImportError) -> ImportError:
-    return ImportError(f"the triton backend of sigmafast.kernels needs the triton package: {e}")
+    return TritonUnavailable(f"the triton backend of sigmafast.kernels needs the triton package: {e}")
 
 
 class _Triton(NamedTuple):
@@ -390,6 +404,8 @@ def plan_step(steps, step, *, backend: Optional[str] = None) -> torch.Tensor:
 __all__ = [
     "Acceptance",
     "BACKENDS",
+    "MIN_TRITON",
+    "TritonUnavailable",
     "acceptance",
     "acceptance_from_hidden",
     "add_layer_norm",
@@ -410,6 +426,7 @@ __all__ = [
     "residual_sample",
     "rotary_",
     "sample",
+    "triton_problem",
     "use_backend",
     "use_pdl",
     "verify_attention",

@@ -41,7 +41,7 @@ from .decide import decide
 from .checks import SCORINGS, check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
 from .reference import Acceptance
 from .topk import CAP, CHUNKS_PER_K, SCAN_V, key_value, prefilter, prefilter_config, threshold
-from .utils import LOG2E, exp_ftz, gdc_enter, online_lse, pdl_meta, row_stride, vocab_config
+from .utils import LOG2E, exp_ftz, gdc_enter, jit, online_lse, pdl_meta, row_stride, vocab_config
 from .vocab import (aligned_rows, chunk_stats, processed, row_masses, row_window, split_config, window_load,
                     window_masks)
 
@@ -96,7 +96,7 @@ def _draft_argmax_kernel(
     tl.store(ARGMAX + o_n64, b_arg.to(tl.int64), mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["DRAFT", "KTH", "DLP", "RATIO"])
+@jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["DRAFT", "KTH", "DLP", "RATIO"])
 def _logq_finish_kernel(
     X, DRAFT, KTH, M, S, LOGQ, DLP, RATIO, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
@@ -131,7 +131,7 @@ def fixed_point_lse(b_x):
     return b_m, b_fix.to(tl.float32) * (1.0 / FIXED_ONE) + tl.sum(tl.where(b_e == b_e, 0.0, b_e), 1)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "V"], do_not_specialize_on_alignment=["DRAFT", "KTH", "DLP", "RATIO"])
+@jit(do_not_specialize=["s_x", "N", "V"], do_not_specialize_on_alignment=["DRAFT", "KTH", "DLP", "RATIO"])
 def _topk_logq_kernel(
     X, DRAFT, KTH, CAND, COUNT, LOGQ, DLP, RATIO, s_x, N, V, temperature,
     CAP: tl.constexpr, SCAN_V: tl.constexpr, STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, HAS_DLP: tl.constexpr,

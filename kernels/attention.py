@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention, check_same
-from .utils import gdc_enter, in_units, min_split_keys, num_sms, pdl_meta, resident_programs, strides
+from .utils import gdc_enter, in_units, jit, min_split_keys, num_sms, pdl_meta, resident_programs, strides
 
 MAX_HEAD_DIM = 256
 SPLIT_WAVE_PROGRAMS = 3  # the CPU interpreter's stand-in for the programs an SM holds (sm_90, D = 64, 16-bit: 3)
@@ -56,8 +56,8 @@ SPLIT_WAVE_PROGRAMS = 3  # the CPU interpreter's stand-in for the programs an SM
 _STRIDES = [f"s_{t}{d}" for t in "qkvo" for d in "bgsh"] + [f"s_{t}{d}" for t in "cw" for d in "bhl"]
 
 
-@triton.jit(do_not_specialize=_STRIDES + ["H", "M", "N_M", "L", "SEG", "tiles_per_split"],
-            do_not_specialize_on_alignment=["LENS"])
+@jit(do_not_specialize=_STRIDES + ["H", "M", "N_M", "L", "SEG", "tiles_per_split"],
+     do_not_specialize_on_alignment=["LENS"])
 def _cascade_attn_kernel(
     Q, K, V, KC, VC, LENS, O, O_PART, LSE_PART,
     s_qb, s_qg, s_qs, s_qh, s_kb, s_kg, s_ks, s_kh, s_vb, s_vg, s_vs, s_vh, s_ob, s_og, s_os, s_oh,

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from . import reference
 from .step_checks import check_commit
-from .utils import gdc_enter, in_units, pdl_meta, strides
+from .utils import gdc_enter, in_units, jit, pdl_meta, strides
 
 BLOCK_R = 16  # accepted rows per loop step of the KV copy
 STATE_BLOCK = 64  # steps per loop step of the canvas writes
@@ -53,8 +53,8 @@ STATUS_BLOCK = 1024  # positions per pass of a row's unknown count
 _KV_STRIDES = [f"s_{t}{d}" for t in "kv" for d in "lboh"] + ["s_kr", "s_vr"] + [f"s_c{d}" for d in "lbhs"]
 
 
-@triton.jit(do_not_specialize=_KV_STRIDES + ["H", "R", "max_len", "has_status"],
-            do_not_specialize_on_alignment=["CHOICE", "N", "LENS", "STATUS"])
+@jit(do_not_specialize=_KV_STRIDES + ["H", "R", "max_len", "has_status"],
+     do_not_specialize_on_alignment=["CHOICE", "N", "LENS", "STATUS"])
 def _commit_kv_kernel(
     K, V, KC, VC, CHOICE, N, LENS, STATUS,
     s_kl, s_kb, s_ko, s_kh, s_vl, s_vb, s_vo, s_vh, s_kr, s_vr, s_cl, s_cb, s_ch, s_cs,
@@ -95,10 +95,10 @@ def _commit_kv_kernel(
         tl.store(VC + o_c, b_v.to(VC.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_to", "s_cb", "s_mb", "R", "T", "has_status",
-                               "has_residual"],
-            do_not_specialize_on_alignment=["ORDERS", "CHOICE", "N", "TOKENS", "LAST_TOK", "LAST_POS", "LENS",
-                                            "FLAG", "STATUS", "RES", "RES_STEP"])
+@jit(do_not_specialize=["s_ob", "s_oo", "s_tb", "s_to", "s_cb", "s_mb", "R", "T", "has_status",
+                        "has_residual"],
+     do_not_specialize_on_alignment=["ORDERS", "CHOICE", "N", "TOKENS", "LAST_TOK", "LAST_POS", "LENS",
+                                     "FLAG", "STATUS", "RES", "RES_STEP"])
 def _commit_state_kernel(
     ORDERS, CHOICE, N, TOKENS, CANVAS, KNOWN, LAST_TOK, LAST_POS, LENS, FLAG, STATUS, RES, RES_STEP,
     s_ob, s_oo, s_tb, s_to, s_cb, s_mb, R, T, has_status, has_residual,

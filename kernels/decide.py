@@ -23,12 +23,11 @@ stride and the rule are run-time arguments in ``do_not_specialize``.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from . import reference
 from .reference import Acceptance
-from .utils import gdc_enter, pdl_meta
+from .utils import gdc_enter, jit, pdl_meta
 
 BLOCK_O = 16
 BLOCK_R = 128
@@ -36,9 +35,9 @@ BLOCK_R = 128
 _STRIDES = ["s_sb", "s_so", "s_db", "s_do", "s_ub", "s_uo"]
 
 
-@triton.jit(do_not_specialize=_STRIDES + ["O", "R", "paper", "check"],
-            do_not_specialize_on_alignment=["SCORE", "DRAFT", "U", "LENS", "ACCEPT", "N_ACC", "FIRST", "BEST",
-                                            "N_BEST", "FLAG"])
+@jit(do_not_specialize=_STRIDES + ["O", "R", "paper", "check"],
+     do_not_specialize_on_alignment=["SCORE", "DRAFT", "U", "LENS", "ACCEPT", "N_ACC", "FIRST", "BEST",
+                                     "N_BEST", "FLAG"])
 def _decide_kernel(
     SCORE, DRAFT, U, LENS, ACCEPT, N_ACC, FIRST, BEST, N_BEST, FLAG,
     s_sb, s_so, s_db, s_do, s_ub, s_uo, O, R, paper, check,

@@ -40,12 +40,12 @@ import triton.language as tl
 
 from .checks import FLOAT_DTYPES
 from .step_checks import check_flag_nonfinite
-from .utils import gdc_enter, pdl_meta
+from .utils import gdc_enter, jit, pdl_meta
 
 _SIZES = ["M", "D1", "D2", "N", "s_x0", "s_x1", "s_x2", "s_u0", "s_u1", "s_u2"]
 
 
-@triton.jit(do_not_specialize=_SIZES, do_not_specialize_on_alignment=["USED", "FLAG"])
+@jit(do_not_specialize=_SIZES, do_not_specialize_on_alignment=["USED", "FLAG"])
 def _flag_nonfinite_kernel(
     X, USED, FLAG,
     M, D1, D2, N, s_x0, s_x1, s_x2, s_u0, s_u1, s_u2,

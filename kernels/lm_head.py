@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .accept import ratio_args, store_logq
-from .utils import LOG2E, gdc_enter, num_sms, online_lse, pdl_meta, resident_programs, row_stride, rows_ready
+from .utils import LOG2E, gdc_enter, jit, num_sms, online_lse, pdl_meta, resident_programs, row_stride, rows_ready
 from .vocab import row_masses
 
 ONE_C_MAX = 128  # widest model whose hidden rows a program keeps in registers (one tl.dot per weight tile)
@@ -125,8 +125,8 @@ def _lm_head_stream_kernel(
     tl.store(M + o_n64 * NS + pid_s, b_m, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_h", "s_w", "N", "V", "C", "NS"],
-            do_not_specialize_on_alignment=["DRAFT", "DLP", "RATIO"])
+@jit(do_not_specialize=["s_h", "s_w", "N", "V", "C", "NS"],
+     do_not_specialize_on_alignment=["DRAFT", "DLP", "RATIO"])
 def _lm_head_finish_kernel(
     HID, W, DRAFT, M, S, LOGQ, ARGMAX, DLP, RATIO, s_h, s_w, N, V, C, NS, temperature,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NC_PAD: tl.constexpr, GREEDY: tl.constexpr,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_residual_pick
-from .utils import gdc_enter, pdl_meta
+from .utils import gdc_enter, jit, pdl_meta
 
 BLOCK_B = 4  # rows per program of the pick
 BLOCK_W = 1024  # row columns per program of the pick's copies
@@ -45,7 +45,7 @@ def _copy_rows(SRC, DST, o_b, m_b, row, o_w, W, s_b, s_r, s_out):
     tl.store(DST + (o_b * s_out)[:, None] + o_w[None, :], x, mask=m)
 
 
-@triton.jit(do_not_specialize=_PICK, do_not_specialize_on_alignment=["N", "REM"])
+@jit(do_not_specialize=_PICK, do_not_specialize_on_alignment=["N", "REM"])
 def _residual_pick_kernel(
     N, REM, ORD, SLOT, U, DRAFT, VERIFIER, U_OUT, N_OUT, D_OUT, V_OUT,
     B, R, s_ob, s_sb, s_ub, W_D, W_V, s_db, s_dr, s_vb, s_vr, s_pd, s_pv,

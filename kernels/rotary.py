@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .checks import FLOAT_DTYPES
 from .step_checks import check_rotary
-from .utils import gdc_enter, pdl_meta
+from .utils import gdc_enter, jit, pdl_meta
 
 BLOCK_N = 16  # rows (tokens) per program
 
@@ -51,8 +51,8 @@ def _rotate_rows(X, s_xb, s_xh, s_xt, i_b, i_t, m_n, b_cos, b_sin, H, D2, o_d):
         tl.store(p_h + D2, (x2 * b_cos + x1 * b_sin).to(b_x1.dtype), mask=m)
 
 
-@triton.jit(do_not_specialize=_STRIDES + ["N", "T", "H", "D2", "sign"],
-            do_not_specialize_on_alignment=["POS_Q", "POS_K"])
+@jit(do_not_specialize=_STRIDES + ["N", "T", "H", "D2", "sign"],
+     do_not_specialize_on_alignment=["POS_Q", "POS_K"])
 def _rotary_kernel(
     Q, K, V, POS_Q, POS_K, COS, SIN,
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_pt, s_rb, s_rt, s_cos, s_sin,

@@ -53,7 +53,7 @@ import triton.language as tl
 from .topk import threshold
 from .checks import check_residual, check_sampling, check_used_rows
 from .flags import launch as flag_launch
-from .utils import exp_ftz, gdc_enter, pdl_meta, row_stride
+from .utils import exp_ftz, gdc_enter, jit, pdl_meta, row_stride
 from .vocab import (
     aligned_rows, chunk_stats, residual_masses, residual_probs, row_masses, row_window,
     split_config, window_load, window_masks,
@@ -135,8 +135,8 @@ def flag_rows(USED, FLAG, o_n, o_n64, total, s_u, N, check):
     tl.store(FLAG, tl.full((), 1, tl.uint8), mask=tl.max(bad.to(tl.int32), 0) > 0)
 
 
-@triton.jit(do_not_specialize=["s_x", "s_u", "N", "NC", "check"],
-            do_not_specialize_on_alignment=["U", "KQ", "USED", "FLAG"])
+@jit(do_not_specialize=["s_x", "s_u", "N", "NC", "check"],
+     do_not_specialize_on_alignment=["U", "KQ", "USED", "FLAG"])
 def _sample_kernel(
     QL, U, KQ, MQ, SQ, TOK, LOGP, USED, FLAG, s_x, s_u, N, V, NC, check, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
@@ -147,7 +147,7 @@ def _sample_kernel(
                  temperature, BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, False, STRIDE_UNIT, ALIGN)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
+@jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
 def _residual_kernel(
     QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,

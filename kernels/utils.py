@@ -20,14 +20,29 @@ process that samples without programmatic dependent launch compiles no variant f
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl_enabled, pdl_supported
+from .support import require_triton
+
+
+_ALIGNMENT_KEYWORD = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+
+
+def jit(*, do_not_specialize: Iterable[str] = (), do_not_specialize_on_alignment: Iterable[str] = ()):
+    """``triton.jit`` with both compile-once lists, on every Triton the kernels support. A Triton without
+    ``do_not_specialize_on_alignment`` (3.0, the one torch 2.4 pins) specialises a pointer's 16-byte
+    alignment unless the pointer is in ``do_not_specialize``, so there the alignment names join that list."""
+    if _ALIGNMENT_KEYWORD:
+        return triton.jit(do_not_specialize=list(do_not_specialize),
+                          do_not_specialize_on_alignment=list(do_not_specialize_on_alignment))
+    return triton.jit(do_not_specialize=[*do_not_specialize, *do_not_specialize_on_alignment])
 
 
 def rows_per_program(block_v: int, budget: int = 4096) -> int:
@@ -79,7 +94,9 @@ def pdl_meta(device: torch.device) -> dict:
     is a CUDA GPU of compute capability 9 or more (Hopper's programmatic dependent launch: in a stream or a
     replayed CUDA graph, a kernel's launch and its programs' start overlap the end of the kernel before it,
     which otherwise costs a launch gap at each of the 40 to 230 kernels of a captured step). Off in the CPU
-    interpreter, so its variants are those of a plain launch."""
+    interpreter, so its variants are those of a plain launch. Every launcher asks for them, so this is also
+    where a launch on a Triton older than ``support.MIN_TRITON`` stops, with ``TritonUnavailable``."""
+    require_triton("a sigmafast Triton kernel")
     if pdl_enabled() and pdl_supported(device):
         return dict(USE_GDC=True, launch_pdl=True)
     return dict(USE_GDC=False)

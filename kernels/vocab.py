@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import exp_ftz, gdc_enter, num_sms, pdl_meta, resident_programs, rows_ready
+from .utils import exp_ftz, gdc_enter, jit, num_sms, pdl_meta, resident_programs, rows_ready
 
 CHUNK = 2048  # default BLOCK_V: 4 KB (bf16) to 8 KB (fp32) per row per program
 TILE = 8192  # elements per (BLOCK_N, BLOCK_V) tile, and per (BLOCK_N, NC_PAD) tile of partials
@@ -266,8 +266,8 @@ def _chunk_stats_tile(b_raw, t, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, 
     tl.store(S + o_p, b_s, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "N_X", "NC", "n_rb", "n_rb_x", "n_tiles"],
-            do_not_specialize_on_alignment=["KX", "KY"])
+@jit(do_not_specialize=["s_x", "N", "N_X", "NC", "n_rb", "n_rb_x", "n_tiles"],
+     do_not_specialize_on_alignment=["KX", "KY"])
 def _chunk_stats_kernel(
     X, Y, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, STRIDE_UNIT: tl.constexpr,
@@ -314,8 +314,8 @@ def row_masses(M, S, o_n64, m_n, NC, NC_PAD: tl.constexpr):
     return r_m, b_w, r_t
 
 
-@triton.jit(do_not_specialize=["s_x", "N", "NC", "n_rb", "n_tiles"],
-            do_not_specialize_on_alignment=["KQ", "KP", "MP", "SP"])  # MP, SP: views at row N of the partials
+@jit(do_not_specialize=["s_x", "N", "NC", "n_rb", "n_tiles"],
+     do_not_specialize_on_alignment=["KQ", "KP", "MP", "SP"])  # MP, SP: views at row N of the partials
 def _residual_mass_kernel(
     QL, PL, KQ, KP, MQ, SQ, MP, SP, RM, QM, LSE, s_x, N, V, NC, n_rb, n_tiles, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,

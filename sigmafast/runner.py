@@ -239,7 +239,8 @@ class Engine(EagerRunner):
         if not isinstance(pdl, bool):
             raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
         if pdl and not kernels.pdl_supported(next(model.parameters()).device):
-            raise ValueError("pdl=True needs a model on a CUDA GPU of compute capability 9 or more (Hopper)")
+            raise ValueError("pdl=True needs a model on a CUDA GPU of compute capability 9 or more (Hopper), "
+                             "and triton >= 3.5")
         self.pdl = pdl
         self.max_sessions = check_int("max_sessions", max_sessions, 1)
         self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing, LRU order

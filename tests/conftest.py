@@ -10,6 +10,9 @@ The tests use tiny tensors, for which PyTorch's intra-op thread pool costs more
 than it saves on a small shared CPU, so the session runs single-threaded, and
 the suite runs in one process per core instead (pytest-xdist, in the ``test``
 extra) unless the command line says otherwise (``-n 0``: one process).
+
+With a triton older than the kernels need (``sigmafast.kernels.MIN_TRITON``), a
+test that reaches a Triton kernel is skipped, saying so, and the rest runs.
 """
 
 import os
@@ -25,7 +28,10 @@ torch.set_num_threads(1)
 
 from helpers import SHAKESPEARE, TIKTOKEN_CACHE, load_prepare_script, small_cfg  # noqa: E402  (after TRITON_INTERPRET)
 from sigmafast.data import gpt2_encoding  # noqa: E402
+from sigmafast.kernels import TritonUnavailable, triton_problem  # noqa: E402
 from sigmafast.train import train  # noqa: E402
+
+_TRITON_PROBLEM = triton_problem()  # read before any test patches it
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -36,6 +42,32 @@ def pytest_cmdline_main(config):
     if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None
             and not os.environ.get("PYTEST_XDIST_WORKER") and not config.getoption("usepdb", False)):
         config.option.numprocesses = "auto"
+
+
+def _skip_without_triton(call):
+    """Run a test phase; skip the test if it needs the Triton kernels and this triton cannot run them (older
+    than ``kernels.MIN_TRITON``: torch 2.4 to 2.7's), so that the rest of the suite still runs there."""
+    try:
+        return (yield)
+    except Exception as e:
+        if _TRITON_PROBLEM is None:  # a usable triton: every error is the test's
+            raise
+        cause = e
+        while cause is not None and not isinstance(cause, TritonUnavailable):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        pytest.skip(f"{call}: {cause}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _skip_without_triton("setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _skip_without_triton("test"))
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ def test_import_does_not_load_triton():
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
+@pytest.mark.skipif(kernels.triton_problem() is not None, reason="this triton is below the kernels' floor")
 def test_backend_choice(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # as conftest sets it without a GPU (read per call)
     x = torch.zeros(2)

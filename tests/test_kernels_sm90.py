@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from sigmafast.kernels import triton_problem
+
+pytestmark = pytest.mark.skipif(triton_problem() is not None, reason=f"the kernels cannot run here: {triton_problem()}")
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {
     "_cascade_attn_kernel", "_combine_kernel", "_chunk_stats_kernel", "_sample_kernel", "_residual_mass_kernel",
@@ -87,8 +90,8 @@ def test_every_kernel_waits_before_its_first_statement():
     found, late = set(), []
     for path in sorted((ROOT / "kernels").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and any("triton.jit" in ast.unparse(d) for d in node.decorator_list) \
-                    and node.name.endswith("_kernel"):
+            jitted = any(ast.unparse(d).startswith(("triton.jit", "jit(")) for d in node.decorator_list)
+            if isinstance(node, ast.FunctionDef) and jitted and node.name.endswith("_kernel"):
                 found.add(node.name)
                 body = node.body[1:] if ast.get_docstring(node) is not None else node.body
                 if ast.unparse(body[0]) != "gdc_enter(USE_GDC)":
