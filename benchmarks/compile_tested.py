@@ -57,21 +57,34 @@ def pytest_configure(config) -> None:
     out = os.environ.get(RECORD_ENV)
     if not out:
         return
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import GridExecutor, InterpretedFunction
 
     seen: set = set()
-    run = InterpretedFunction.run
 
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        entry = json.dumps([self.fn.__module__, self.fn.__name__, [_describe(a) for a in args],
+    def record(fn, args, kwargs) -> None:
+        entry = json.dumps([fn.__module__, fn.__name__, [_describe(a) for a in args],
                             {k: _describe_meta(v) for k, v in kwargs.items()}], sort_keys=True)
         if entry not in seen:  # one JSON line per distinct launch, at once: a crash loses none recorded before
             seen.add(entry)
             with open(out, "a") as f:
                 f.write(entry + "\n")
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-    InterpretedFunction.run = recording_run
+    if hasattr(InterpretedFunction, "run"):  # Triton 3.6 and later
+        run = InterpretedFunction.run
+
+        def recording_run(self, *args, grid, warmup, **kwargs):
+            record(self.fn, args, kwargs)
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = recording_run
+    else:  # Triton 3.4 and 3.5: every launch calls a GridExecutor, with all its launch keywords
+        call = GridExecutor.__call__
+
+        def recording_call(self, *args, **kwargs):
+            record(self.fn, args, {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")})
+            return call(self, *args, **kwargs)
+
+        GridExecutor.__call__ = recording_call
 
 
 def _rebuild(desc: dict):

@@ -216,7 +216,9 @@ def _collect_kernel(
     b_cm = tl.load(CMAX + n * NC + o_c, mask=o_c < NC, other=0).to(tl.uint32, bitcast=True)
     bits = tl.sum(tl.where(b_cm >= t0, tl.full([32], 1, tl.uint32) << o_j.to(tl.uint32), 0), 0)  # uniform
     o_base, r_shift, end = row_window(o_r64, s_x * STRIDE_UNIT, V, ALIGN)
-    p_cnt = tl.broadcast_to(COUNT + o_n64[:, None], [1, CHUNK])
+    # + zeros, not tl.broadcast_to: the interpreters of Triton 3.4 and 3.5 read an atomic's pointers as a
+    # contiguous array, past the end of a broadcast (stride-0) one
+    p_cnt = COUNT + o_n64[:, None] + tl.zeros([1, CHUNK], tl.int64)
     while bits != 0:  # about k of a row's NC chunks qualify
         low = bits & (0 - bits)  # the lowest set bit; its float's exponent is its index
         c = tl.program_id(1) * 32 + (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
@@ -289,7 +291,9 @@ def _radix_hist_kernel(
     o_base, r_shift, end = row_window(o_r64, s_x * STRIDE_UNIT, V, ALIGN)  # (1,) each
     o_b = c * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V) window offsets
     prefix = tl.load(PREFIX + o_n64).to(tl.uint32)[:, None]  # (1, 1) resolved key bits (int64 in [0, 2^32))
-    high = ~((tl.full((), 2, tl.uint32) << (shift + DIGIT_BITS - 1)) - 1)  # the bits above the digit (0 at first)
+    # the bits above the digit (0 at first); ``^ 0xFFFFFFFF`` rather than ``~``: the interpreters of Triton 3.4
+    # and 3.5 invert an unsigned integer with np.full(1, -1, uint32), which NumPy 2 rejects
+    high = ((tl.full((), 2, tl.uint32) << (shift + DIGIT_BITS - 1)) - 1) ^ 0xFFFFFFFF
     if is_interior(c, V, BLOCK_V, ALIGN):  # uniform: no column masks inside the rows (vocab.chunk_load)
         b_key = order_key32(tl.load(X + o_base[:, None] + o_b).to(tl.float32))
         m_k = ((b_key ^ prefix) & high) == 0

@@ -330,7 +330,8 @@ def _residual_mass_kernel(
     step = tl.num_programs(0)
     b_rq = stream_load(QL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
     b_rp = stream_load(PL, t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
-    for _ in range(t, n_tiles, step):
+    # not ``for _``: the body unpacks into ``_``, which Triton 3.4 and 3.5 take for the loop variable, retyped
+    for _tile in range(t, n_tiles, step):
         b_nq = stream_load(QL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
         b_np = stream_load(PL, t + step, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN, BLOCK_V)
         o_n64, m_n, c, o_b, _, shift, _, interior, _ = stream_tile(t, n_rb, N, NC, s_x, V, BLOCK_N, BLOCK_V, ALIGN,
