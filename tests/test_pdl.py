@@ -10,6 +10,7 @@ from helpers import tiny_model
 
 import sigmafast
 from sigmafast import kernels
+from sigmafast.kernels import support
 from sigmafast.kernels import utils as kernel_utils
 
 T = 8
@@ -53,10 +54,11 @@ def _prompts(n: int):
 
 def test_pdl_is_off_in_the_interpreter_and_before_sm90(monkeypatch):
     """``utils.pdl_meta``: plain launches unless inside ``kernels.use_pdl(True)`` on a CUDA GPU of compute
-    capability 9 or more (the PTX ``griddepcontrol`` instructions need sm_90)."""
+    capability 9 or more (the PTX ``griddepcontrol`` instructions need sm_90), with triton >= 3.5."""
+    pdl = support.triton_has_pdl()
     with kernels.use_pdl(True):
         assert kernel_utils.pdl_meta(torch.device("cpu")) == dict(USE_GDC=False)
-        for major, on in ((8, False), (9, True), (10, True)):
+        for major, on in ((8, False), (9, pdl), (10, pdl)):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
             want = dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
             assert kernel_utils.pdl_meta(torch.device("cuda", 0)) == want
