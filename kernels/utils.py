@@ -37,7 +37,7 @@ _ALIGNMENT_KEYWORD = "do_not_specialize_on_alignment" in inspect.signature(trito
 
 def jit(*, do_not_specialize: Iterable[str] = (), do_not_specialize_on_alignment: Iterable[str] = ()):
     """``triton.jit`` with both compile-once lists, on every Triton the kernels support. A Triton without
-    ``do_not_specialize_on_alignment`` (3.0, the one torch 2.4 pins) specialises a pointer's 16-byte
+    ``do_not_specialize_on_alignment`` (before 3.2; torch 2.4 pins 3.0) specialises a pointer's 16-byte
     alignment unless the pointer is in ``do_not_specialize``, so there the alignment names join that list."""
     if _ALIGNMENT_KEYWORD:
         return triton.jit(do_not_specialize=list(do_not_specialize),
