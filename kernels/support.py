@@ -16,8 +16,8 @@ import re
 from typing import Optional
 
 MIN_TRITON = (3, 4)
-TORCH_WITH_IT = "2.8"
-PDL_TRITON = (3, 5)  # the first torch whose pinned triton is MIN_TRITON or newer
+TORCH_WITH_IT = "2.8"  # the first torch whose pinned triton is MIN_TRITON or newer
+PDL_TRITON = (3, 5)
 
 
 class TritonUnavailable(ImportError):
@@ -30,6 +30,15 @@ def version_tuple(version: str) -> Optional[tuple[int, int]]:
     return (int(numbers[0]), int(numbers[1])) if len(numbers) == 2 else None
 
 
+def installed_triton() -> tuple[str, Optional[tuple[int, int]]]:
+    """The importable triton's version, as text and as (major, minor) (None if unreadable); ``ImportError``
+    without one."""
+    import triton
+
+    found = str(getattr(triton, "__version__", ""))
+    return found, version_tuple(found)
+
+
 def required_version() -> str:
     """``MIN_TRITON`` as text, e.g. ``"3.4"``."""
     return ".".join(map(str, MIN_TRITON))
@@ -40,11 +49,9 @@ def triton_problem() -> Optional[str]:
     """Why the Triton kernels cannot run in this process, or None when they can (checked once). A version
     that cannot be read is given the benefit of the doubt."""
     try:
-        import triton
+        found, version = installed_triton()
     except ImportError as e:
         return f"triton cannot be imported ({e})"
-    found = str(getattr(triton, "__version__", ""))
-    version = version_tuple(found)
     if version is not None and version < MIN_TRITON:
         return f"found triton {found} (torch {TORCH_WITH_IT} and later come with a recent enough one)"
     return None
@@ -62,7 +69,5 @@ def triton_has_pdl() -> bool:
     """Whether the kernels can run here with programmatic dependent launch (``PDL_TRITON`` or newer)."""
     if triton_problem() is not None:
         return False
-    import triton
-
-    version = version_tuple(str(getattr(triton, "__version__", "")))
+    version = installed_triton()[1]
     return version is None or version >= PDL_TRITON

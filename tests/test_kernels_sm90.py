@@ -24,10 +24,10 @@ SPILL_FREE_TRITON = (3, 6)  # 3.4 and 3.5 spill a few variants (at most 456 byte
 
 def _spills_checked() -> bool:
     """Whether this triton's compiler is one the kernels are tuned for (no spills), not an older one."""
-    import triton
-
-    version = support.version_tuple(triton.__version__)
+    version = support.installed_triton()[1]
     return version is None or version >= SPILL_FREE_TRITON
+
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {
     "_cascade_attn_kernel", "_combine_kernel", "_chunk_stats_kernel", "_sample_kernel", "_residual_mass_kernel",
