@@ -26,7 +26,8 @@ os.environ.setdefault("SIGMAFAST_BACKEND", "reference")
 
 torch.set_num_threads(1)
 
-from helpers import SHAKESPEARE, TIKTOKEN_CACHE, load_prepare_script, small_cfg  # noqa: E402  (after TRITON_INTERPRET)
+from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, interpreter_numpy_problem,  # noqa: E402  (after TRITON_INTERPRET)
+                     load_prepare_script, small_cfg)
 from sigmafast.data import gpt2_encoding  # noqa: E402
 from sigmafast.kernels import TritonUnavailable, triton_problem  # noqa: E402
 from sigmafast.train import train  # noqa: E402
@@ -42,6 +43,18 @@ def pytest_cmdline_main(config):
     if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None
             and not os.environ.get("PYTEST_XDIST_WORKER") and not config.getoption("usepdb", False)):
         config.option.numprocesses = "auto"
+
+
+def pytest_configure(config):
+    """Stop before the first test, saying why, where Triton's interpreter cannot run the kernels with the
+    installed NumPy (``helpers.interpreter_numpy_problem``), rather than fail nearly every kernel test."""
+    if os.environ.get("TRITON_INTERPRET") == "1" and _TRITON_PROBLEM is None:
+        import numpy
+        import triton
+
+        problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
+        if problem is not None:
+            raise pytest.UsageError(problem)
 
 
 def _skip_without_triton(call):

@@ -8,7 +8,7 @@ import os
 import signal
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -32,6 +32,25 @@ def tiny_model(vocab_size: int = 5, block_size: int = 8, seed: int = 0, std: flo
             elif p.numel() == 1:  # a scalar final-norm gain: scale the logits up too
                 p.fill_(3.0)
     return model.to(dtype).eval()
+
+
+INTERPRETER_NUMPY_TRITON = (3, 7)  # the first Triton whose interpreter runs under NumPy 2.4 (triton#9172)
+
+
+def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> Optional[str]:
+    """Why Triton's interpreter cannot run the kernels with this NumPy, or None. The interpreters of Triton 3.4
+    to 3.6 (torch 2.8 to 2.11 pin them) turn a scalar argument into an index with ``int()`` of its shape-(1,)
+    array (``tensor.__index__``: a ``range`` over a size), which NumPy 2.4 refuses, so nearly every kernel test
+    would fail. Below ``kernels.MIN_TRITON`` the kernel tests are skipped anyway."""
+    from sigmafast.kernels.support import MIN_TRITON, version_tuple
+
+    found, numpy_found = version_tuple(triton_version), version_tuple(numpy_version)
+    if found is None or numpy_found is None or numpy_found < (2, 4):
+        return None
+    if not MIN_TRITON <= found < INTERPRETER_NUMPY_TRITON:
+        return None
+    return (f"the interpreter of triton {triton_version} cannot run the kernels with numpy {numpy_version}: "
+            f"install numpy<2.4 (triton >= {'.'.join(map(str, INTERPRETER_NUMPY_TRITON))} takes either)")
 
 
 # --- Triton specialisation keys (compile-once checks) ---------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sigmafast
-from helpers import tiny_model, triton_device
+from helpers import interpreter_numpy_problem, tiny_model, triton_device
 from sigmafast import kernels
 from sigmafast.kernels import reference as ref
 from sigmafast.kernels import support
@@ -29,6 +29,18 @@ def triton_too_old(monkeypatch):
                          ids=["release", "old", "local", "two-digit", "major-only", "empty"])
 def test_version_tuple(version, want):
     assert support.version_tuple(version) == want
+
+
+@pytest.mark.parametrize("triton_version, numpy_version, stops", [
+    ("3.4.0", "2.4.0", True), ("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False),
+    ("3.9.0", "2.5.0", False), ("3.3.1", "2.4.6", False), ("", "2.4.6", False)],
+    ids=["3.4-numpy2.4", "3.6-numpy2.4", "3.6-numpy2.3", "3.7-numpy2.4", "3.9-numpy2.5", "below-floor", "unread"])
+def test_the_suite_stops_where_the_interpreter_refuses_this_numpy(triton_version, numpy_version, stops):
+    """conftest stops the session at once (``pytest.UsageError``) for the interpreters of Triton 3.4 to 3.6 under
+    NumPy 2.4, where nearly every kernel test would fail; they run with ``numpy<2.4``."""
+    problem = interpreter_numpy_problem(triton_version, numpy_version)
+    assert (problem is not None) == stops
+    assert problem is None or f"triton {triton_version} cannot run the kernels with numpy {numpy_version}" in problem
 
 
 def test_this_triton_runs_the_kernels_if_it_is_recent_enough():
