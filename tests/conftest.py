@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 from helpers import (SHAKESPEARE, TIKTOKEN_CACHE, interpreter_numpy_problem,  # noqa: E402  (after TRITON_INTERPRET)
                      load_prepare_script, small_cfg)
 from sigmafast.data import gpt2_encoding  # noqa: E402
-from sigmafast.kernels import TritonUnavailable, triton_problem  # noqa: E402
+from sigmafast.kernels import TritonUnavailable, support, triton_problem  # noqa: E402
 from sigmafast.train import train  # noqa: E402
 
 _TRITON_PROBLEM = triton_problem()  # read before any test patches it
@@ -50,9 +50,8 @@ def pytest_configure(config):
     installed NumPy (``helpers.interpreter_numpy_problem``), rather than fail nearly every kernel test."""
     if os.environ.get("TRITON_INTERPRET") == "1" and _TRITON_PROBLEM is None:
         import numpy
-        import triton
 
-        problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
+        problem = interpreter_numpy_problem(support.installed_triton()[0], numpy.__version__)
         if problem is not None:
             raise pytest.UsageError(problem)
 
