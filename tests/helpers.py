@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import os
 import signal
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterator, Optional
@@ -274,6 +275,7 @@ TIKTOKEN_CACHE = SHARED / "tiktoken"
 def _script(name: str, module_name: str):
     spec = importlib.util.spec_from_file_location(module_name, REPO / "scripts" / name)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
@@ -286,6 +288,16 @@ def train_script():
 def load_prepare_script():
     """scripts/prepare_owt.py as a module (its ``main(argv)``)."""
     return _script("prepare_owt.py", "prepare_owt")
+
+
+def sample_script():
+    """scripts/sample.py as a module (its ``main(argv)``, ``SampleArgs``, ``parse_template``, ``render``)."""
+    return _script("sample.py", "sigmafast_sample_script")
+
+
+def eval_series_script():
+    """scripts/eval_series.py as a module (its ``main(argv)``)."""
+    return _script("eval_series.py", "sigmafast_eval_series_script")
 
 
 class _SignalAfter(list):

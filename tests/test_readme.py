@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import sample_script
 
 from sigmafast.tasks import get_task
 from sigmafast.train import TrainConfig, train
@@ -32,12 +31,6 @@ def quick_start_dir(tmp_path_factory):
     return root
 
 
-def _sample_script():
-    spec = importlib.util.spec_from_file_location("readme_sample_script", REPO / "scripts" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_readme_python_snippets_run_in_order(quick_start_dir, monkeypatch):
@@ -53,7 +46,7 @@ def test_readme_python_snippets_run_in_order(quick_start_dir, monkeypatch):
 def test_readme_infill_examples_fit_the_quick_start_task(quick_start_dir, capsys):
     templates = INFILL_FLAG.findall(README.read_text())
     assert templates, "no --infill example in the README"
-    script = _sample_script()
+    script = sample_script()
     step = get_task("step")
     for template in templates:
         tokens, known = script.parse_template(template, step, step.seq_len)

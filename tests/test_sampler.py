@@ -284,70 +284,6 @@ def test_kv_cache_appends_ragged_rows_after_their_lengths():
     assert torch.equal(v[2, :, :3], -new[1, 2])
 
 
-def _sample_script():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
-    spec = importlib.util.spec_from_file_location("sample_script", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_sample_script_parses_infill_templates():
-    from sigmafast.tasks import get_task
-
-    script = _sample_script()
-    step = get_task("step", seq_len=6, run_length=2)
-    tokens, known = script.parse_template("01__1", step, 6)
-    assert tokens.tolist() == [0, 1, 0, 0, 1, 0] and known.tolist() == [True, True, False, False, True, False]
-    tokens, known = script.parse_template("3 _ 4", get_task("permutation", seq_len=6), 6)
-    assert tokens[:3].tolist() == [3, 0, 4] and known.tolist() == [True, False, True, False, False, False]
-    tokens, known = script.parse_template("5", get_task("permutation", seq_len=12), 12)  # ids up to 11: one id
-    assert tokens[:2].tolist() == [5, 0] and known[:2].tolist() == [True, False]
-    tokens, known = script.parse_template("11", get_task("permutation", seq_len=12), 12)
-    assert tokens[:2].tolist() == [11, 0] and known[:2].tolist() == [True, False]
-    with pytest.raises(ValueError, match="template"):
-        script.parse_template("0 x", step, 6)
-    for item in (str(step.bos), str(step.vocab_size)):  # BOS (2 here) and past the vocabulary are not data
-        with pytest.raises(ValueError, match=r"data tokens: in \[0, 3\) but not BOS \(2\)"):
-            script.parse_template(f"01_{item}", step, 6)
-    with pytest.raises(ValueError, match="canvas length"):
-        script.parse_template("0101010", step, 6)
-    dna = get_task("char", text="unread.txt", seq_len=8, chars="\nACGT")  # a text task without an 'a'
-    tokens, known = script.parse_template("AC__T", dna, 8)
-    assert known.tolist() == [True, True, False, False, True, False, False, False]
-    assert dna.decode(tokens[[0, 1, 4]].tolist()) == "ACT"
-
-
-def test_sample_script_renders_a_partial_maze():
-    """The live view of a fixed-layout task decodes the whole canvas, its unknown cells as '?'."""
-    from sigmafast.tasks import get_task
-
-    script = _sample_script()
-    maze = get_task("maze", height=5, width=5, n_walls=0, min_distance=2, val_size=8)
-    row = maze.sample_batch(1, "val", torch.Generator().manual_seed(0))[0]
-    known = torch.arange(maze.seq_len) % 3 != 0
-    shown = script.render(maze, row, known)
-    assert shown.count("?") == int((~known).sum())
-    assert script.render(maze, row, torch.ones_like(known)) == maze.decode(row)
-
-
-def test_sample_script_refuses_a_partial_maze_before_sampling(monkeypatch):
-    """A fixed layout decodes only whole: --max-new-tokens short of it is an error before any sampling."""
-    from sigmafast.tasks import get_task
-
-    script = _sample_script()
-    maze = get_task("maze", height=5, width=5, n_walls=0, min_distance=2, val_size=8)
-    monkeypatch.setattr("sigmafast.train.load_checkpoint", lambda *a, **k: (maze.oracle, maze, None))
-    monkeypatch.setattr(script.sigmafast, "generate", lambda *a, **k: pytest.fail("sampled"))
-    with pytest.raises(ValueError, match=f"fixed layout of {maze.seq_len} tokens: --max-new-tokens must be"):
-        script.run(script.SampleArgs(checkpoint="maze.pt", max_new_tokens=10))
-
-
 SYNCS = ("__int__", "__bool__", "__float__", "__index__", "item", "tolist", "nonzero")
 
 
@@ -473,56 +409,6 @@ def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(
     assert check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many) == many
     with pytest.raises(ValueError, match="num_orders=10 with 4 rows of 8 tokens"):
         check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many - 1)
-
-
-@pytest.mark.parametrize("argv,match", [
-    pytest.param(["--infill", "0 _ 1", "--length", "0"], "--length must be >= 1, got 0", id="length-0"),
-    pytest.param(["--infill", "0 _ 1", "--length", "-3"], "--length must be >= 1, got -3", id="length-negative"),
-    pytest.param(["--length", "5"], "--length is the canvas length of --infill", id="length-without-infill"),
-    pytest.param(["--device", "gpu"], "device must be a torch device", id="bad-device"),
-    pytest.param(["--infill", "0 _ 1", "--max-new-tokens", "3"], "--max-new-tokens is for --prompt and "
-                 "unconditional sampling", id="max-new-tokens-with-infill"),
-    pytest.param(["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", id="max-new-tokens-negative"),
-    pytest.param(["--seed", str(10**23)], f"--seed must be in [0, 2**63), got {10**23}", id="seed-huge"),
-    pytest.param(["--seed", "-2"], "--seed must be in [0, 2**63), got -2", id="seed-negative"),
-    pytest.param(["--device", "cuda"], "CUDA is not available", id="cuda-without-cuda",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")),
-])
-def test_sample_script_bad_input(argv, match, tmp_path, capsys):
-    """Rejected in one line before the checkpoint is even read."""
-    code = _sample_script().main(["--checkpoint", str(tmp_path / "never-read.pt"), *argv])
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert match in err
-
-
-def test_sample_script_checkpoint_errors_name_its_flags(trained_dir, tmp_path, capsys):
-    """A folder, a missing file or a prompt longer than the model: one line naming sample.py's own flags."""
-    from sigmafast.train import TrainConfig, train
-
-    text = tmp_path / "text.txt"
-    text.write_text("the cat sat on the mat. " * 40)
-    train(TrainConfig(task="char", text=str(text), seq_len=8, max_iters=1, batch_size=4, eval_iters=1,
-                      num_eval_samples=0, out_dir=str(tmp_path / "char")))
-    cases = [
-        (["--checkpoint", str(trained_dir)], f"no checkpoint at {trained_dir}: it is a directory: pass the "
-                                              f"checkpoint file, {trained_dir / 'ckpt.pt'}"),
-        (["--checkpoint", str(tmp_path / "none.pt")], f"no checkpoint at {tmp_path / 'none.pt'}"),
-        (["--checkpoint", str(tmp_path / "char" / "ckpt.pt"), "--prompt", "the cat sat"],
-         "--prompt is 11 tokens long, longer than the model's sequence length (8 tokens)"),
-    ]
-    for argv, message in cases:
-        assert _sample_script().main(argv) == 2
-        err = capsys.readouterr().err
-        assert err == f"error: {message}\n" or err.startswith(f"error: {message}:"), err
-        assert "--resume" not in err and "--out-dir" not in err
-    assert _sample_script().main(["--checkpoint", str(tmp_path / "char" / "ckpt.pt"), "--prompt", "the cat "]) == 0
-
-
-def test_sample_script_defaults_to_exact_sampling():
-    args = _sample_script().SampleArgs(checkpoint="ckpt.pt")
-    assert (args.strategy, args.acceptance, args.num_orders) == ("burst", "lossless", 1)
-    assert _sample_script().SampleArgs(checkpoint="ckpt.pt", acceptance="paper").num_orders == 5
 
 
 def test_generate_defaults_to_exact_sampling():

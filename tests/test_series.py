@@ -1,14 +1,12 @@
 """Value tasks (vertical_rate, series), their checkpoints and the prompted-MSE evaluation."""
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import eval_series_script, sample_script, tiny_model
 
 from sigmafast.checkpoint import load_checkpoint, read_checkpoint
 from sigmafast.series_eval import evaluate_prompted, markdown_table, prompt_known, sequence_ci
@@ -17,8 +15,6 @@ from sigmafast.tasks.oracles import Oracle
 from sigmafast.tasks.series import UniformBins
 from sigmafast.tasks.vertical_rate import AIRCRAFT, climb_rate, descent_rate
 from sigmafast.train import TrainConfig, train
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def gen(seed: int) -> torch.Generator:
@@ -349,30 +345,19 @@ def test_evaluate_prompted_needs_a_value_task():
         evaluate_prompted(task.oracle(), task)
 
 
-def _eval_script(monkeypatch):
-    spec = importlib.util.spec_from_file_location("eval_series_script", REPO / "scripts" / "eval_series.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass resolves annotations there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_live_view_shows_the_unit_once(vr, monkeypatch):
+def test_live_view_shows_the_unit_once(vr):
     """sample.py --live renders tokens one by one: a vertical-rate row reads 'heavy_jet: 1000 _ ...', not
     'heavy_jet: ft 1000 ft _ ...'."""
-    spec = importlib.util.spec_from_file_location("sample_script", REPO / "scripts" / "sample.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)
-    spec.loader.exec_module(script)
+    script = sample_script()
     row = torch.tensor([vr.type_offset, 10, 12] + [0] * (vr.seq_len - 3))
     known = torch.arange(vr.seq_len) < 3
     assert script.render(vr, row, known) == "heavy_jet: 1000 1200 " + " ".join(["_"] * (vr.seq_len - 3))
     assert vr.decode(row[:3]) == "heavy_jet: 1000 1200 ft"
 
 
-def test_eval_series_script(series_ckpt, capsys, monkeypatch):
+def test_eval_series_script(series_ckpt, capsys):
     path, _ = series_ckpt
-    script = _eval_script(monkeypatch)
+    script = eval_series_script()
     argv = ["--checkpoint", str(path), "--num-sequences", "2", "--samples-per-sequence", "2"]
     assert script.main(argv) == 0
     out = capsys.readouterr().out
@@ -383,7 +368,7 @@ def test_eval_series_script(series_ckpt, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**64)])
-def test_eval_series_script_rejects_a_seed_out_of_range(seed, capsys, monkeypatch, tmp_path):
-    script = _eval_script(monkeypatch)  # checked before the checkpoint is read, as scripts/sample.py does
+def test_eval_series_script_rejects_a_seed_out_of_range(seed, capsys, tmp_path):
+    script = eval_series_script()  # checked before the checkpoint is read, as scripts/sample.py does
     assert script.main(["--checkpoint", str(tmp_path / "ckpt.pt"), "--seed", seed]) == 2
     assert f"--seed must be in [0, 2**63), got {seed}" in capsys.readouterr().err
