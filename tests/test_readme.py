@@ -31,8 +31,6 @@ def quick_start_dir(tmp_path_factory):
     return root
 
 
-
-
 def test_readme_python_snippets_run_in_order(quick_start_dir, monkeypatch):
     blocks = PYTHON_BLOCK.findall(README.read_text())
     assert len(blocks) >= 2, "the README's Python snippets were not found"
