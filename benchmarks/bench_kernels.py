@@ -189,11 +189,17 @@ def _logits(N: int, seed: int) -> torch.Tensor:
 
 def _stream_layout(impl: str, monkeypatch) -> str:
     """``triton-tiles``: the Triton kernels with one program per vocabulary tile instead of the persistent
-    streaming programs (``vocab.PERSISTENT``), to compare the two layouts on the same card."""
+    streaming programs (``vocab.PERSISTENT``), to compare the two layouts on the same card; ``triton-rows``:
+    the residual's two passes over each row in one program (``residual_rows.ROWS``)."""
     if impl == "triton-tiles":
         from sigmafast.kernels import vocab
 
         monkeypatch.setattr(vocab, "PERSISTENT", False)
+        return "triton"
+    if impl == "triton-rows":
+        from sigmafast.kernels import residual_rows
+
+        monkeypatch.setattr(residual_rows, "ROWS", True)
         return "triton"
     return impl
 
@@ -238,11 +244,13 @@ def test_topk_threshold(benchmark, impl, rows, copy_gbps, monkeypatch):
          rows=rows, V=VOCAB, top_k=50)
 
 
-@pytest.mark.parametrize("impl", ["triton", "triton-tiles", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "triton-tiles", "triton-rows", "reference"])
 @pytest.mark.parametrize("op", ["sample", "residual_sample"])
 def test_sampling(benchmark, impl, op, copy_gbps, monkeypatch):
     from sigmafast.kernels import sampling
 
+    if impl == "triton-rows" and op == "sample":
+        pytest.skip("the rows layout is the residual's alone")
     layout, impl = impl, _stream_layout(impl, monkeypatch)
 
     N = 1024

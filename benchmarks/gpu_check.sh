@@ -13,10 +13,11 @@
 # parts for a second call; engine-ar and engine-burst split the engine part in two, each with its own JSON;
 # "topk" runs the top-k tests compiled (also in "fused"), "sweep" times the vocabulary kernels' tilings,
 # "small" times the levers of the small burst target in three runs, each with its own limit and rc: both
-# scorings from hidden states and the small model's attention at forced KV splits (small-kernels); burst small
+# scorings from hidden states, the small model's attention at forced KV splits and the residual sample's three
+# layouts, split-V streams, one program per tile and by rows (small-kernels); burst small
 # and gpt2 with both scorings, the timed one (auto), programmatic dependent launch (Engine(pdl=True)) and the
 # fused GELU (small-engine); small profiles with auto scoring, PDL and the fused GELU (small-profile). With
-# GPU_PARTS="small sweep tests vocab" the caps add up to 570 s: pass the device tool timeout_s=590.
+# GPU_PARTS="small sweep tests vocab" the caps add up to 580 s: pass the device tool timeout_s=590.
 # pytest-benchmark writes its JSON only when a session ends, but cases.jsonl (SIGMAFAST_BENCH_LOG) gets
 # each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
 # module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
@@ -60,10 +61,11 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
         tests/test_kernels_row_vectors.py tests/test_kernels_topk.py tests/test_kernels_plan.py \
         -q -p no:cacheprovider -rs --durations=15 ;;
     vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \
-        tests/test_kernels_sampling.py -q -p no:cacheprovider -rs --durations=15 ;;
+        tests/test_kernels_sampling.py tests/test_kernels_residual_rows.py -q -p no:cacheprovider -rs --durations=15 ;;
     topk) run topk "${GPU_TOPK_LIMIT:-60}" python -m pytest tests/test_kernels_topk.py -q -p no:cacheprovider -rs ;;
-    small) run small-kernels "${GPU_SMALL_KERNELS_LIMIT:-50}" python -m pytest benchmarks/bench_kernels.py \
-        "${BENCH[@]}" --benchmark-json="$LOGS/small.json" -k "test_acceptance_from_hidden or test_small_model_attention"
+    small) run small-kernels "${GPU_SMALL_KERNELS_LIMIT:-60}" python -m pytest benchmarks/bench_kernels.py \
+        "${BENCH[@]}" --benchmark-json="$LOGS/small.json" \
+        -k "test_acceptance_from_hidden or test_small_model_attention or (test_sampling and residual_sample and triton)"
         run small-engine "${GPU_SMALL_LIMIT:-140}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
             --benchmark-json="$LOGS/small_engine.json" \
             -k "test_engine and B1 and not rope and not tiny and (burst-small or burst-gpt2 or -scoring- or -pdl- \

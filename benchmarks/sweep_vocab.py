@@ -7,8 +7,9 @@
 module constants: ``CHUNK`` (columns per tile), ``TILE`` (elements per tile), ``STREAM_WARPS``,
 ``STREAM_STAGES`` (the chunk statistics' and top-k chunk maxima's loops: 1, a register prefetch of the next
 tile; more, Triton's pipelining through shared memory) and ``PERSISTENT`` (one wave of looping programs, or
-one program per tile). This script times the four ops that stream GPT-2's 50257-wide bf16 rows (log q of
-drafts for the acceptance, without and with top-k 50, the sample, the residual sample) under each
+one program per tile). This script times the ops that stream GPT-2's 50257-wide bf16 rows (log q of
+drafts for the acceptance, without and with top-k 50, the sample, the residual sample, and the residual with
+its two passes over each row in one program, ``kernels/residual_rows.py``, at two L2 shares) under each
 combination, replayed as CUDA graphs with L2 flushed by reading (as ``bench_kernels.py``), and prints the
 share of copy bandwidth per op, best first. Each combination's kernels compile once, outside the timings.
 The defaults are the constants' values when the script starts; a combination that fails to compile or run is
@@ -46,7 +47,22 @@ def _ops(rows: int, dtype: torch.dtype):
         ("draft_logq_top50", lambda: accept.draft_logq(q, drafts, 1.0, 50), nbytes),
         ("sample", lambda: sampling.sample(q, u, 1.0, None), nbytes),
         ("residual_sample", lambda: sampling.residual_sample(q, p, u, 1.0, None), 2 * nbytes),
+        *((f"residual_rows_l2_{share}", lambda share=share: _by_rows(
+            lambda: sampling.residual_sample(q, p, u, 1.0, None), share), 2 * nbytes) for share in (0.5, 1.0)),
     ]
+
+
+def _by_rows(fn, l2_share: float):
+    """``fn()`` with the residual's two passes over each row in one program (``residual_rows.ROWS``), as
+    many programs as the SMs or as ``l2_share`` of the L2 holds rows of (``residual_rows.L2_SHARE``)."""
+    from sigmafast.kernels import residual_rows
+
+    default = residual_rows.ROWS, residual_rows.L2_SHARE
+    residual_rows.ROWS, residual_rows.L2_SHARE = True, l2_share
+    try:
+        return fn()
+    finally:
+        residual_rows.ROWS, residual_rows.L2_SHARE = default
 
 
 def _ints(parser: argparse.ArgumentParser, flag: str, text: str) -> list:
@@ -114,7 +130,7 @@ def main() -> None:
                     ms, flushed, err = None, None, f"{type(e).__name__}: {str(e)[:160]}"
                 share = None if flushed is None else nbytes / flushed / 1e6 / copy_gbps
                 rows.append(dict(cfg, op=op, ms=ms, read_flushed_ms=flushed, share=share, error=err))
-                print(f"{op:16s} {cfg} " + (f"{flushed * 1e3:7.1f} us {share:6.1%}" if share else f"error {err}"),
+                print(f"{op:20s} {cfg} " + (f"{flushed * 1e3:7.1f} us {share:6.1%}" if share else f"error {err}"),
                       flush=True)
     finally:  # a sweep cut short (SIGINT) still leaves the rows it timed
         for name, value in default.items():
@@ -126,10 +142,10 @@ def main() -> None:
         done = sorted((r for r in rows if r["op"] == op and r["share"]), key=lambda r: -r["share"])
         base = next((r for r in done if all(r[k] == v for k, v in default.items())), None)
         for r in done[:3]:
-            print(f"  {op:16s} {r['share']:6.1%}  CHUNK={r['CHUNK']} TILE={r['TILE']} "
+            print(f"  {op:20s} {r['share']:6.1%}  CHUNK={r['CHUNK']} TILE={r['TILE']} "
                   f"STREAM_WARPS={r['STREAM_WARPS']} STREAM_STAGES={r['STREAM_STAGES']} PERSISTENT={r['PERSISTENT']}")
         if base:
-            print(f"  {op:16s} {base['share']:6.1%}  (defaults)")
+            print(f"  {op:20s} {base['share']:6.1%}  (defaults)")
 
 
 if __name__ == "__main__":

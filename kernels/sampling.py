@@ -9,7 +9,9 @@ twice) by thousands of (row block, chunk) programs, plus one chunk per row:
   residual: for q's and p's rows in one launch;
 * residual only, ``_residual_mass_kernel`` (vocab.py): per (row, chunk) the
   masses of ``max(0, q - p)`` and of q (the row log-sum-exps come from the
-  partials);
+  partials); with ``residual_rows.ROWS`` on (opt-in) and a row per SM,
+  ``_residual_rows_kernel`` (residual_rows.py) writes the same from both
+  passes over each row in one program, the second from L2, instead of these two;
 * ``_sample_kernel`` / ``_residual_kernel`` (one program per row block): the
   chunk masses (``s_c * exp(m_c - row max)``, or the residual masses, or q's
   where the row's residual is empty) give the row total and, by a cumsum over
@@ -50,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import residual_rows
 from .topk import threshold
 from .checks import check_residual, check_sampling, check_used_rows
 from .flags import launch as flag_launch
@@ -82,17 +85,16 @@ def _sample_rows(
             kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
 
     o_c = tl.arange(0, NC_PAD)[None, :]  # (1, NC_PAD)
-    q_max, b_cw, q_tot = row_masses(MQ, SQ, o_n64, m_n, NC, NC_PAD)  # (BLOCK_N,), (BLOCK_N, NC_PAD), (BLOCK_N,)
-    lse_q = q_max + tl.log(q_tot)
-    lse_p = lse_q
-    empty = m_n
-    if RESIDUAL:
+    if RESIDUAL:  # MQ and SQ unread
         lse_q = tl.load(LSE + 2 * o_n64, mask=m_n, other=0.0)  # the mass kernel's, so q and p are its own
         lse_p = tl.load(LSE + 2 * o_n64 + 1, mask=m_n, other=0.0)
         m_c = m_n[:, None] & (o_c < NC)
         b_r = tl.load(RM + o_n64[:, None] * NC + o_c, mask=m_c, other=0.0)  # (BLOCK_N, NC_PAD)
         empty = tl.sum(b_r, 1) <= 0.0
         b_cw = tl.where(empty[:, None], tl.load(QM + o_n64[:, None] * NC + o_c, mask=m_c, other=0.0), b_r)
+    else:
+        q_max, b_cw, q_tot = row_masses(MQ, SQ, o_n64, m_n, NC, NC_PAD)  # (BLOCK_N,), (BLOCK_N, NC_PAD), (BLOCK_N,)
+        lse_q = q_max + tl.log(q_tot)
     b_cc = tl.cumsum(b_cw, 1)  # (BLOCK_N, NC_PAD) inclusive prefix sums of the chunk masses
     total = tl.max(b_cc, 1)  # nondecreasing: the last prefix sum
     target = tl.load(U + o_n64, mask=m_n, other=0.0).to(tl.float32) * total
@@ -186,10 +188,14 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None, used=
     grid = (triton.cdiv(N, cfg.block_n),)
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
                 STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps, **pdl_meta(q_logits.device))
-    if residual:  # q's and p's partials in one launch: (2N, NC), q's rows first
-        m, s = chunk_stats(q_logits, kq, temperature, cfg, s_x, p_logits, kp)
-        mq, sq, mp, sp = m[:N], s[:N], m[N:], s[N:]
-        rm, qm, lse = residual_masses(q_logits, p_logits, kq, kp, mq, sq, mp, sp, temperature, cfg, s_x)
+    if residual:
+        if residual_rows.use_rows(N, q_logits.device):  # both passes over a row in one program
+            rm, qm, lse = residual_rows.residual_masses_rows(q_logits, p_logits, kq, kp, temperature, cfg, s_x)
+            mq = sq = rm  # the residual's token search reads the log-sum-exps, not q's chunk statistics
+        else:  # q's and p's partials in one launch: (2N, NC), q's rows first
+            m, s = chunk_stats(q_logits, kq, temperature, cfg, s_x, p_logits, kp)
+            mq, sq, mp, sp = m[:N], s[:N], m[N:], s[N:]
+            rm, qm, lse = residual_masses(q_logits, p_logits, kq, kp, mq, sq, mp, sp, temperature, cfg, s_x)
         kq_, kp_ = (kq, kp) if kq is not None else (u, u)
         _residual_kernel[grid](
             q_logits, p_logits, u, kq_, kp_, mq, sq, rm, qm, lse, tokens, s_x, N, V, cfg.nc,

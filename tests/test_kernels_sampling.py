@@ -286,7 +286,9 @@ def test_fused_lm_head_tiles(temperature, C, one_c, splits, poisoned_empty, monk
         return
     want = ref.log_probs(logits, temperature, None).gather(-1, drafts.clamp(0, V - 1)[:, None]).squeeze(-1)
     assert torch.all(got[:2] == float("-inf"))
-    torch.testing.assert_close(got[2:], want[2:], rtol=0, atol=1e-5)
+    # fp32 log q of up to 2500 in size: the kernel's dot products and the host BLAS's (whose order varies with
+    # the CPU) round the logits differently, a few ulps of log q (1.1e-5 at |log q| = 34 on an Intel Xeon)
+    torch.testing.assert_close(got[2:], want[2:], rtol=1e-6, atol=1e-5)
     assert_log_ratio(lambda logp, ratio: on_triton_device(lm_head.lm_head_logq)(hidden, weight, drafts, temperature,
                                                                                logp, ratio), got, 3)
 

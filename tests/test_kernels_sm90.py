@@ -37,7 +37,7 @@ KERNELS = {
     "_add_layer_norm_kernel", "_linear_gelu_kernel", "_linear_add_norm_kernel", "_mlp_add_norm_kernel",
     "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel",
     "_gather_drafts_kernel", "_draft_slots_kernel", "_rotary_kernel",
-    "_residual_pick_kernel", "_plan_step_kernel",
+    "_residual_pick_kernel", "_plan_step_kernel", "_residual_rows_kernel",
 }
 
 
