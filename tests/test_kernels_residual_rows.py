@@ -104,7 +104,7 @@ def test_rows_compile_once_over_row_counts_and_strides(monkeypatch):
     assert "_residual_mass_kernel" not in counts, "the split kernels ran instead"
 
 
-def test_the_rows_path_needs_rows_ROWS_and_a_row_per_sm(monkeypatch):
+def test_the_rows_path_needs_ROWS_and_a_row_per_sm(monkeypatch):
     cpu = torch.device("cpu")  # 4 stand-in SMs
     assert not residual_rows.use_rows(64, cpu)  # off by default until a GPU times it
     monkeypatch.setattr(residual_rows, "ROWS", True)
