@@ -7,8 +7,8 @@ reads HBM again: 215 µs at the fifth lend, 22% of copy bandwidth counted as one
 
 Here each program owns whole rows. It streams a row's q and p once for their chunk maxima and sums of
 exponentials (loads marked ``evict_last``), combines them into the two log-sum-exps in registers, and at
-once streams the same row again for the residual's chunk masses (``evict_first``), while the row is still in
-L2: with about one program per SM the rows in flight take a few tens of MB
+once streams the same row again for the residual's chunk masses (``evict_first``), while the row should still
+be in L2 (unmeasured): with about one program per SM the rows in flight take a few tens of MB
 (``programs``: the SMs, or more when the L2 holds ``L2_SHARE`` of their row pairs). The loads of the next
 tile (across the two passes and into the next row) are issued before the current tile is reduced, as in the
 streaming kernels. A program reads tiles of ``BLOCK_V // CHUNK`` consecutive chunks of one row, each chunk of
@@ -125,7 +125,7 @@ def _residual_rows_kernel(
             b_rp = b_np
         lse_q = _row_lse(v_mq, v_sq)
         lse_p = _row_lse(v_mp, v_sp)
-        for p in range(0, NT):  # pass 2, from L2; its last prefetch is the next row's first tile
+        for p in range(0, NT):  # pass 2, meant to hit L2; its last prefetch is the next row's first tile
             last = p + 1 >= NT
             row_next = tl.where(last, row + step, row)
             p_next = tl.where(last, 0, p + 1)

@@ -11,7 +11,7 @@ twice) by thousands of (row block, chunk) programs, plus one chunk per row:
   masses of ``max(0, q - p)`` and of q (the row log-sum-exps come from the
   partials); with ``residual_rows.ROWS`` on (opt-in) and a row per SM,
   ``_residual_rows_kernel`` (residual_rows.py) writes the same from both
-  passes over each row in one program, the second from L2, instead of these two;
+  passes over each row in one program (the second meant to hit L2) instead of these two;
 * ``_sample_kernel`` / ``_residual_kernel`` (one program per row block): the
   chunk masses (``s_c * exp(m_c - row max)``, or the residual masses, or q's
   where the row's residual is empty) give the row total and, by a cumsum over
