@@ -129,7 +129,7 @@ def _cases(dtype: torch.dtype):
     yield "top-k threshold (chunk-max prefilter), pipelined", lambda: _pipelined(lambda: topk.kth_largest(x, 50))
     for T, k, Vs in ((1.0, None, V), (0.8, 50, V), (0.8, None, 300), (0.8, 3, 4097)):  # residual_rows.ROWS
         yield f"residual sample V={Vs} T={T} top-k={k}, by rows", lambda a=(x[:, :Vs], p[:, :Vs], u, T, k): _by_rows(
-            lambda: sampling.launch(*a))
+            a)
     yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)
     yield "top-k log q from the candidates", lambda: accept.topk_logq(x, d, 0.8, 50, draft_logp=ratio[0],
                                                                       log_ratio=ratio[1])
@@ -220,15 +220,12 @@ def _pipelined(launch, stages: int = 3) -> None:
         vocab.STREAM_STAGES = default
 
 
-def _by_rows(launch) -> None:
-    """``launch()`` with the residual's masses by whole rows (``residual_rows.ROWS``)."""
-    from sigmafast.kernels import residual_rows
+def _by_rows(args: tuple) -> None:
+    """``sampling.launch(*args)`` with the residual's masses by whole rows (``residual_rows.by_rows``)."""
+    from sigmafast.kernels import residual_rows, sampling
 
-    default, residual_rows.ROWS = residual_rows.ROWS, True
-    try:
-        launch()
-    finally:
-        residual_rows.ROWS = default
+    with residual_rows.by_rows():
+        sampling.launch(*args)
 
 
 def _commit(commit_step, dtype: torch.dtype, D: int, g: torch.Generator) -> None:

@@ -47,22 +47,18 @@ def _ops(rows: int, dtype: torch.dtype):
         ("draft_logq_top50", lambda: accept.draft_logq(q, drafts, 1.0, 50), nbytes),
         ("sample", lambda: sampling.sample(q, u, 1.0, None), nbytes),
         ("residual_sample", lambda: sampling.residual_sample(q, p, u, 1.0, None), 2 * nbytes),
-        *((f"residual_rows_l2_{share}", lambda share=share: _by_rows(
-            lambda: sampling.residual_sample(q, p, u, 1.0, None), share), 2 * nbytes) for share in (0.5, 1.0)),
+        *((f"residual_rows_l2_{share}", lambda share=share: _by_rows(q, p, u, share), 2 * nbytes)
+          for share in (0.5, 1.0)),
     ]
 
 
-def _by_rows(fn, l2_share: float):
-    """``fn()`` with the residual's two passes over each row in one program (``residual_rows.ROWS``), as
-    many programs as the SMs or as ``l2_share`` of the L2 holds rows of (``residual_rows.L2_SHARE``)."""
-    from sigmafast.kernels import residual_rows
+def _by_rows(q, p, u, l2_share: float):
+    """The residual sample with its two passes over each row in one program, as many programs as the SMs or
+    as ``l2_share`` of the L2 holds rows of (``residual_rows.by_rows``)."""
+    from sigmafast.kernels import residual_rows, sampling
 
-    default = residual_rows.ROWS, residual_rows.L2_SHARE
-    residual_rows.ROWS, residual_rows.L2_SHARE = True, l2_share
-    try:
-        return fn()
-    finally:
-        residual_rows.ROWS, residual_rows.L2_SHARE = default
+    with residual_rows.by_rows(l2_share):
+        return sampling.residual_sample(q, p, u, 1.0, None)
 
 
 def _ints(parser: argparse.ArgumentParser, flag: str, text: str) -> list:

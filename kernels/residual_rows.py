@@ -23,25 +23,34 @@ split kernels (``benchmarks/bench_kernels.py``'s ``triton-rows``, ``benchmarks/s
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator, Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from . import vocab
 from .utils import cuda_props, exp_ftz, gdc_enter, jit, num_sms, pdl_meta, resident_programs
-from .vocab import is_interior, processed, row_window
+from .vocab import chunk_partials, is_interior, processed, row_window
 
 ROWS = False  # the residual's masses by whole rows when there are at least as many rows as SMs
 L2_SHARE = 0.5  # share of the L2 that the programs' rows in flight (q and p) may take
 
 
 @triton.jit
+def _tile_offsets(p, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr):
+    """(BLOCK_V // CHUNK, CHUNK) window offsets of tile p of a row: its chunks as rows."""
+    return p * BLOCK_V + tl.arange(0, BLOCK_V // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+
+
+@triton.jit
 def _row_tile(ptr, row, p, N, NT, s_x, V, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr,
               EVICT: tl.constexpr):
-    """Raw (BLOCK_V // CHUNK, CHUNK) logits of window tile p of row ``row`` (``vocab.row_window``), no load
-    at all when row >= N or p >= NT; lanes outside the row's window are undefined (``_row_values`` masks)."""
+    """Raw logits of tile p of row ``row`` (``vocab.row_window``), no load at all when row >= N or p >= NT;
+    lanes outside the row's window are undefined (``_row_values`` masks them)."""
     o_base, _, end = row_window(row + tl.zeros([], tl.int64), s_x, V, ALIGN)
-    o_b = p * BLOCK_V + tl.arange(0, BLOCK_V // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    o_b = _tile_offsets(p, BLOCK_V, CHUNK)
     p_x = ptr + o_base + o_b
     if is_interior(p, V, BLOCK_V, ALIGN) & (row < N):
         b_raw = tl.load(p_x, eviction_policy=EVICT)
@@ -53,23 +62,22 @@ def _row_tile(ptr, row, p, N, NT, s_x, V, BLOCK_V: tl.constexpr, CHUNK: tl.const
 @triton.jit
 def _row_values(b_raw, row, p, kth, s_x, V, temperature, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
                 ALIGN: tl.constexpr, HAS_TOPK: tl.constexpr):
-    """``_row_tile``'s raw tile -> processed fp32 logits, -inf outside the row: the same operations as
-    ``vocab.stream_values``, so the same values."""
+    """``_row_tile``'s raw tile -> processed fp32 logits, -inf outside the row: ``vocab.stream_values``' operations
+    with the row's shift a scalar (through ``stream_values``, a (1,) shift took 30% more registers on sm_90). The
+    offsets are recomputed rather than carried through the loops, where they would take registers too."""
     _, shift, _ = row_window(row + tl.zeros([], tl.int64), s_x, V, ALIGN)
     b_x = b_raw.to(tl.float32)
     if not is_interior(p, V, BLOCK_V, ALIGN):
-        o_v = p * BLOCK_V + tl.arange(0, BLOCK_V // CHUNK)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :] - shift
+        o_v = _tile_offsets(p, BLOCK_V, CHUNK) - shift
         b_x = tl.where((o_v >= 0) & (o_v < V), b_x, float("-inf"))
     return processed(b_x, kth, temperature, HAS_TOPK)
 
 
 @triton.jit
 def _fold_stats(v_m, v_s, b_x, o_c, o_all):
-    """Scatter the chunk max and sum of exp(x - max) of a (SUB, CHUNK) tile b_x, chunks o_c (SUB,), into
-    the row's (NC_PAD,) partials v_m, v_s (columns o_all), as ``_chunk_stats_tile`` computes them."""
-    b_m = tl.max(b_x, 1)  # (SUB,)
-    m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_s = tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
+    """Scatter the ``vocab.chunk_partials`` of a (SUB, CHUNK) tile b_x, chunks o_c (SUB,), into the row's
+    (NC_PAD,) partials v_m, v_s (columns o_all)."""
+    b_m, b_s = chunk_partials(b_x)  # (SUB,) each
     hit = o_c[:, None] == o_all[None, :]  # (SUB, NC_PAD)
     v_m = tl.maximum(v_m, tl.max(tl.where(hit, b_m[:, None], float("-inf")), 0))
     return v_m, v_s + tl.sum(tl.where(hit, b_s[:, None], 0.0), 0)
@@ -141,6 +149,18 @@ def _residual_rows_kernel(
             b_rp = b_np
         tl.store(LSE + 2 * row64, lse_q)
         tl.store(LSE + 2 * row64 + 1, lse_p)
+
+
+@contextlib.contextmanager
+def by_rows(l2_share: Optional[float] = None) -> Iterator[None]:
+    """Inside: ``ROWS`` on (and ``L2_SHARE`` set, when given), for the benchmarks that time this layout."""
+    global ROWS, L2_SHARE
+    saved = ROWS, L2_SHARE
+    ROWS, L2_SHARE = True, L2_SHARE if l2_share is None else l2_share
+    try:
+        yield
+    finally:
+        ROWS, L2_SHARE = saved
 
 
 def use_rows(n_rows: int, device: torch.device) -> bool:

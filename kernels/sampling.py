@@ -85,7 +85,7 @@ def _sample_rows(
             kp = tl.load(KP + o_n64, mask=m_n, other=0.0).to(tl.float32)[:, None]
 
     o_c = tl.arange(0, NC_PAD)[None, :]  # (1, NC_PAD)
-    if RESIDUAL:  # MQ and SQ unread
+    if RESIDUAL:  # MQ and SQ unread (the residual kernel passes RM)
         lse_q = tl.load(LSE + 2 * o_n64, mask=m_n, other=0.0)  # the mass kernel's, so q and p are its own
         lse_p = tl.load(LSE + 2 * o_n64 + 1, mask=m_n, other=0.0)
         m_c = m_n[:, None] & (o_c < NC)
@@ -151,12 +151,12 @@ def _sample_kernel(
 
 @jit(do_not_specialize=["s_x", "N", "NC"], do_not_specialize_on_alignment=["U", "KQ", "KP"])
 def _residual_kernel(
-    QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, s_x, N, V, NC, temperature,
+    QL, PL, U, KQ, KP, RM, QM, LSE, TOK, s_x, N, V, NC, temperature,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NC_PAD: tl.constexpr, HAS_TOPK: tl.constexpr,
     STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
-    _sample_rows(QL, PL, U, KQ, KP, MQ, SQ, RM, QM, LSE, TOK, TOK, TOK, TOK, s_x, 0, N, V, NC, 0, temperature,
+    _sample_rows(QL, PL, U, KQ, KP, RM, RM, RM, QM, LSE, TOK, TOK, TOK, TOK, s_x, 0, N, V, NC, 0, temperature,
                  BLOCK_N, BLOCK_V, NC_PAD, HAS_TOPK, True, STRIDE_UNIT, ALIGN)
 
 
@@ -188,17 +188,16 @@ def launch(q_logits, p_logits, uniforms, temperature, top_k, block_v=None, used=
     grid = (triton.cdiv(N, cfg.block_n),)
     meta = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, NC_PAD=cfg.nc_pad, HAS_TOPK=kq is not None,
                 STRIDE_UNIT=cfg.unit, ALIGN=cfg.align, num_warps=cfg.num_warps, **pdl_meta(q_logits.device))
-    if residual:
+    if residual:  # the token search reads the mass kernel's log-sum-exps, not q's chunk statistics
         if residual_rows.use_rows(N, q_logits.device):  # both passes over a row in one program
             rm, qm, lse = residual_rows.residual_masses_rows(q_logits, p_logits, kq, kp, temperature, cfg, s_x)
-            mq = sq = rm  # the residual's token search reads the log-sum-exps, not q's chunk statistics
         else:  # q's and p's partials in one launch: (2N, NC), q's rows first
             m, s = chunk_stats(q_logits, kq, temperature, cfg, s_x, p_logits, kp)
-            mq, sq, mp, sp = m[:N], s[:N], m[N:], s[N:]
-            rm, qm, lse = residual_masses(q_logits, p_logits, kq, kp, mq, sq, mp, sp, temperature, cfg, s_x)
+            rm, qm, lse = residual_masses(q_logits, p_logits, kq, kp, m[:N], s[:N], m[N:], s[N:], temperature, cfg,
+                                          s_x)
         kq_, kp_ = (kq, kp) if kq is not None else (u, u)
         _residual_kernel[grid](
-            q_logits, p_logits, u, kq_, kp_, mq, sq, rm, qm, lse, tokens, s_x, N, V, cfg.nc,
+            q_logits, p_logits, u, kq_, kp_, rm, qm, lse, tokens, s_x, N, V, cfg.nc,
             float(temperature), **meta,
         )
     else:

@@ -248,6 +248,14 @@ def stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK: tl
 
 
 @triton.jit
+def chunk_partials(b_x):
+    """(rows, columns) processed logits -> per row their max and sum of exp(x - max) (0 for a row of -inf)."""
+    b_m = tl.max(b_x, 1)
+    m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
+    return b_m, tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
+
+
+@triton.jit
 def _chunk_stats_tile(b_raw, t, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, temperature,
                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TOPK: tl.constexpr, ALIGN: tl.constexpr):
     """One tile of ``_chunk_stats_kernel`` from its raw logits: the rows' chunk max and sum of exponentials."""
@@ -257,10 +265,7 @@ def _chunk_stats_tile(b_raw, t, KX, KY, M, S, s_x, N, N_X, V, NC, n_rb, n_rb_x, 
     if HAS_TOPK:
         p_k = tl.where(second, KY - N_X, KX) + o_n64
         kth = tl.load(p_k, mask=m_n, other=0.0).to(tl.float32)[:, None]
-    b_x = stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK)  # (BLOCK_N, BLOCK_V)
-    b_m = tl.max(b_x, 1)  # (BLOCK_N,)
-    m_use = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_s = tl.sum(exp_ftz(b_x - m_use[:, None]), 1)
+    b_m, b_s = chunk_partials(stream_values(b_raw, o_b, shift, V, interior, kth, temperature, HAS_TOPK))
     o_p = o_n64 * NC + c
     tl.store(M + o_p, b_m, mask=m_n)
     tl.store(S + o_p, b_s, mask=m_n)
