@@ -233,7 +233,8 @@ def test_topk_threshold(benchmark, impl, rows, copy_gbps, monkeypatch):
     """The k-th largest logit per row (k = 50): the chunk-max prefilter (kernels/topk.py; ``triton-tiles``:
     its chunk maxima one program per tile) and the radix select (2 passes over bf16) against ``torch.topk``;
     the bytes counted are one read of the logits."""
-    from sigmafast.kernels.topk import kth_largest, radix_kth_largest
+    from sigmafast.kernels.radix import radix_kth_largest
+    from sigmafast.kernels.topk import kth_largest
 
     layout, impl = impl, _stream_layout(impl, monkeypatch)
     logits = _logits(rows, 7)

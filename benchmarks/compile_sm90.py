@@ -85,7 +85,7 @@ def _pdl_on(device) -> dict:
 def _cases(dtype: torch.dtype):
     """(name, thunk) pairs that launch every kernel variant the engine uses for one dtype."""
     from sigmafast.kernels import (accept, along, attention, commit_step, decide, embed, fc_gelu, flags, layer_norm,
-                                   lm_head, linear_norm, lossless, plan, rotary, sampling, slots, topk)
+                                   lm_head, linear_norm, lossless, plan, radix, rotary, sampling, slots, topk)
 
     g = torch.Generator().manual_seed(0)
     V, N, C = 50257, 64, 768
@@ -130,7 +130,7 @@ def _cases(dtype: torch.dtype):
     for T, k, Vs in ((1.0, None, V), (0.8, 50, V), (0.8, None, 300), (0.8, 3, 4097)):  # residual_rows.ROWS
         yield f"residual sample V={Vs} T={T} top-k={k}, by rows", lambda a=(x[:, :Vs], p[:, :Vs], u, T, k): _by_rows(
             a)
-    yield "top-k threshold (radix select)", lambda: topk.radix_kth_largest(x, 50)
+    yield "top-k threshold (radix select)", lambda: radix.radix_kth_largest(x, 50)
     yield "top-k log q from the candidates", lambda: accept.topk_logq(x, d, 0.8, 50, draft_logp=ratio[0],
                                                                       log_ratio=ratio[1])
     for Cs in (C, 128, 64):  # GPT-2's width (64-column chunks), then the narrow models' (rows in registers)

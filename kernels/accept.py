@@ -40,7 +40,8 @@ import triton.language as tl
 from .decide import decide
 from .checks import SCORINGS, check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
 from .reference import Acceptance
-from .topk import CAP, CHUNKS_PER_K, SCAN_V, key_value, prefilter, prefilter_config, threshold
+from .radix import key_value
+from .topk import CAP, CHUNKS_PER_K, SCAN_V, prefilter, prefilter_config, threshold
 from .utils import LOG2E, exp_ftz, gdc_enter, jit, online_lse, pdl_meta, row_stride, vocab_config
 from .vocab import (aligned_rows, chunk_stats, processed, row_masses, row_window, split_config, window_load,
                     window_masks)

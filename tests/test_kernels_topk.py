@@ -1,6 +1,6 @@
-"""The top-k threshold (kernels/topk.py: chunk-max prefilter, radix select) against ``reference.kth_largest``
-(torch.topk): exact equality in every dtype, over ragged chunks, one-element rows, ties, infinities, NaN, signed
-zeros and rows whose candidates overflow."""
+"""The top-k threshold (kernels/topk.py: chunk-max prefilter; kernels/radix.py: radix select) against
+``reference.kth_largest`` (torch.topk): exact equality in every dtype, over ragged chunks, one-element rows, ties,
+infinities, NaN, signed zeros and rows whose candidates overflow."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from helpers import assert_log_ratio, on_triton_device, triton_device
 from sigmafast.kernels import reference as ref
-from sigmafast.kernels import topk
+from sigmafast.kernels import radix, topk
 
 kth_largest = on_triton_device(topk.kth_largest)
 
@@ -88,7 +88,7 @@ def test_radix_select_matches_topk(case, dtype, poisoned_empty):
     kind, N, V, k, block_v = case
     g = torch.Generator().manual_seed(zlib.crc32(_cid(case).encode()))
     x = _rows(kind, N, V, g).to(dtype)
-    got = on_triton_device(topk.radix_kth_largest)(x, k, block_v)
+    got = on_triton_device(radix.radix_kth_largest)(x, k, block_v)
     torch.testing.assert_close(got, ref.kth_largest(x, k).float(), rtol=0, atol=0)
 
 
