@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl_enabled, pdl_supported
+from .backends import pdl_enabled, pdl_supported
 from .support import require_triton
 
 
