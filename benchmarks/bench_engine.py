@@ -59,10 +59,8 @@ the GPT-2 vocabulary with prompt 64 + 64 new tokens. Timings are reported in
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import pkgutil
 import statistics
 import subprocess
 import sys
@@ -74,6 +72,7 @@ import torch
 
 import sigmafast
 from _common import bench_device, bench_full, device_info, synchronize
+from _variants import cache_entries, compiled_variants, jit_functions, uses_triton
 from sigmafast import SigmaGPT, SigmaGPTConfig
 
 DEVICE = bench_device()
@@ -112,7 +111,6 @@ ENGINE_OPTIONS = {**{s: dict(compile_steps=c) for s, c in COMPILED.items()},
                   "burst-auto-scoring": dict(scoring="auto"),
                   "ar-pdl": dict(pdl=True), "burst-pdl": dict(pdl=True),
                   "ar-fused-gelu": dict(fused_gelu=True), "burst-fused-gelu": dict(fused_gelu=True)}
-KERNEL_MODULES = ("attention", "utils", "accept", "sampling")  # then any other module of the package
 FIRST_CALL = dict(  # shape, new tokens, then (batch, prompt length, seed) per call
     shape="small", new_tokens=256 if CUDA else 32, calls=[(1, 16, 0), (2, 37, 1), (8, 16, 2), (3, 100, 3)],
 )
@@ -199,66 +197,17 @@ def _check_tokens(out: torch.Tensor, prompt: torch.Tensor, name: str) -> None:
 # --- first call with an empty Triton cache ------------------------------------------------------------------
 
 
-def _jit_functions() -> dict:
-    """name -> triton JITFunction found among the kernel modules' attributes (autotuner wrappers unwrapped)."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return {}
-    import sigmafast.kernels as package
-
-    names = list(KERNEL_MODULES)
-    names += [m.name for m in pkgutil.iter_modules(package.__path__) if m.name not in names]
-    found = {}
-    for mod_name in names:
-        try:
-            mod = importlib.import_module(f"sigmafast.kernels.{mod_name}")
-        except ImportError:
-            continue
-        for attr, obj in vars(mod).items():
-            for _ in range(3):  # Autotuner / Heuristics keep the kernel in .fn
-                if isinstance(obj, JITFunction) or not hasattr(obj, "fn"):
-                    break
-                obj = obj.fn
-            if isinstance(obj, JITFunction) and all(obj is not f for f in found.values()):
-                inner = getattr(obj, "fn", None)
-                found[f"{getattr(inner, '__module__', mod_name).rsplit('.', 1)[-1]}.{attr}"] = obj
-    return found
-
-
-def _variants(fns: dict) -> dict:
-    """name -> number of compiled variants held in the kernel's in-memory cache (all devices); None if unreadable."""
-    out = {}
-    for name, fn in fns.items():
-        try:
-            out[name] = sum(len(caches[0]) for caches in list(fn.device_caches.values()))
-        except Exception:  # noqa: BLE001 - triton internals differ between versions
-            out[name] = None
-    return out
-
-
-def _cache_entries(path: str) -> int:
-    return sum(len(dirs) + len(files) for _, dirs, files in os.walk(path))
-
-
-def _uses_triton(model) -> bool:
-    backend_for = getattr(sigmafast.kernels, "backend_for", None)
-    if backend_for is not None:
-        return backend_for(next(model.parameters())) == "triton"
-    return next(model.parameters()).is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def first_call_child() -> dict:
     """Run in a fresh process with empty TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR: time FIRST_CALL's calls."""
     cache_dir, inductor_dir = os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]
     model = _model("sigma", FIRST_CALL["shape"])
     synchronize(DEVICE)  # CUDA context and weights outside the timings
-    triton = _uses_triton(model)
+    triton = uses_triton(model)
     t0 = time.perf_counter()
-    fns = _jit_functions() if triton else {}
+    fns = jit_functions() if triton else {}
     result = dict(uses_triton=triton, triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
                   import_kernels_s=time.perf_counter() - t0, calls=[])
-    before, entries, inductor = _variants(fns), _cache_entries(cache_dir), _cache_entries(inductor_dir)
+    before, entries, inductor = compiled_variants(fns), cache_entries(cache_dir), cache_entries(inductor_dir)
     for batch, length, seed in FIRST_CALL["calls"]:
         prompt = _prompt(batch, length, seed)
         gen = torch.Generator(DEVICE).manual_seed(seed)
@@ -268,8 +217,8 @@ def first_call_child() -> dict:
         synchronize(DEVICE)
         seconds = time.perf_counter() - t0
         if triton:
-            fns.update(_jit_functions())  # modules the call imported itself
-        after, now, inductor_now = _variants(fns), _cache_entries(cache_dir), _cache_entries(inductor_dir)
+            fns.update(jit_functions())  # modules the call imported itself
+        after, now, inductor_now = compiled_variants(fns), cache_entries(cache_dir), cache_entries(inductor_dir)
         new = {k: v - (before.get(k) or 0) for k, v in after.items() if v is not None and v - (before.get(k) or 0)}
         result["calls"].append(dict(batch_size=batch, prompt_tokens=length, seconds=seconds,
                                     variants_compiled=sum(new.values()), new_variants=new,
