@@ -6,7 +6,7 @@ import os
 import re
 import uuid
 import zipfile
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -216,6 +216,26 @@ def check_new_run(cfg: TrainConfig) -> None:
     if not cfg.resume and not cfg.overwrite and path.exists():
         raise ValueError(f"--out-dir {cfg.out_dir!r} already holds a checkpoint ({path}): pass --resume to continue "
                          "its run, --overwrite to start a new run over it, or another --out-dir")
+
+
+def claim_out_dir(cfg: TrainConfig, held: ExitStack, locked: bool) -> None:
+    """Make ``cfg.out_dir`` a writable folder, or raise a ``ValueError`` saying why it cannot be one. Unless
+    ``locked`` (the caller already holds its lock), take the folder's lock into ``held`` and check again that no
+    run saved a checkpoint there since :func:`check_new_run`."""
+    folder = checkpoint_path(cfg.out_dir).parent
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} cannot be created: {e}") from None
+    try:  # mkdir accepts an existing folder this process cannot write to
+        check_writable(folder)
+    except OSError as e:
+        raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} is not writable: {e}") from None
+    if not locked:
+        held.enter_context(out_dir_lock(cfg.out_dir))
+        check_new_run(cfg)
 
 
 def task_record(task, kwargs: dict) -> dict:

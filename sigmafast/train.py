@@ -28,7 +28,7 @@ from .batches import (
     SAMPLE_STREAM, TRAIN_STREAM, VAL_STREAM, curriculum_l2r, get_batch, make_val_batches, stream_generator,
 )
 from .checkpoint import (
-    atomic_save, build_checkpoint, check_compatible, check_new_run, check_writable, checkpoint_path, load_checkpoint,
+    atomic_save, build_checkpoint, check_compatible, check_new_run, checkpoint_path, claim_out_dir, load_checkpoint,
     out_dir_lock, read_resumed, rng_state, set_rng_state, stored_objective, task_record,
 )
 from .diffusion import training as diffusion_training
@@ -160,19 +160,7 @@ class _Trainer:
         self._info("estimated peak memory %.2f GiB per process", estimate / GIB)
         self.path = checkpoint_path(cfg.out_dir)
         if layout.is_main:  # fail now, not at the first checkpoint after minutes of training
-            if self.path.parent.exists() and not self.path.parent.is_dir():
-                raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} is a file, not a folder")
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} cannot be created: {e}") from None
-            try:  # mkdir accepts an existing folder this process cannot write to
-                check_writable(self.path.parent)
-            except OSError as e:
-                raise ValueError(f"TrainConfig.out_dir {cfg.out_dir!r} is not writable: {e}") from None
-            if not locked:
-                held.enter_context(out_dir_lock(cfg.out_dir))
-                check_new_run(cfg)  # another run may have saved there since the first check
+            claim_out_dir(cfg, held, locked)
         diffusion_config = cfg.diffusion_config()
         if ckpt is not None:
             stored = stored_objective(ckpt)[1]

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import sigmafast.train as train_mod
+import sigmafast.checkpoint as checkpoint_mod
 from sigmafast.checkpoint import atomic_save, out_dir_lock, read_checkpoint
 from sigmafast.train import load_checkpoint, train
 from helpers import small_cfg
@@ -148,13 +148,13 @@ def test_a_new_folder_is_checked_again_once_locked(tmp_path, monkeypatch):
     """The out_dir did not exist at the first check; a run that saved there before this one took the lock is
     not overwritten."""
     folder = tmp_path / "new"
-    real_lock = train_mod.out_dir_lock
+    real_lock = checkpoint_mod.out_dir_lock
 
     def lock_after_another_run(out_dir):
         atomic_save({"iter": 3}, folder / "ckpt.pt")
         return real_lock(out_dir)
 
-    monkeypatch.setattr(train_mod, "out_dir_lock", lock_after_another_run)
+    monkeypatch.setattr(checkpoint_mod, "out_dir_lock", lock_after_another_run)
     with pytest.raises(ValueError, match="already holds a checkpoint"):
         train(small_cfg(folder, max_iters=2))
     assert torch.load(folder / "ckpt.pt") == {"iter": 3}
