@@ -1,7 +1,7 @@
 """The residual sampler's two passes over a row, back to back in one program (many rows; opt-in).
 
 Why. The split-V residual (sampling.py) reads q and p twice: ``chunk_stats`` over every row, then
-``vocab.residual_masses``, which needs the rows' log-sum-exps first. Each pass is a separate launch over all
+``residual.residual_masses``, which needs the rows' log-sum-exps first. Each pass is a separate launch over all
 the rows, so with 1024 GPT-2 rows in bf16 (206 MB of q and p, four times an H200's 50 MB L2) the second pass
 reads HBM again: 215 µs at the fifth lend, 22% of copy bandwidth counted as one read.
 
@@ -98,7 +98,7 @@ def _residual_rows_kernel(
     STRIDE_UNIT: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """(N, NC) chunk masses of max(0, q - p) (RM) and of q (QM) and (N, 2) log-sum-exps of q and p (LSE), as
-    ``vocab._residual_mass_kernel`` writes them, each program taking rows pid, pid + programs, ...: per row
+    ``residual._residual_mass_kernel`` writes them, each program taking rows pid, pid + programs, ...: per row
     NT tiles of q and p (BLOCK_V // CHUNK chunks each) for the chunk statistics, then the same tiles again."""
     gdc_enter(USE_GDC)
     s_x = s_x * STRIDE_UNIT
@@ -177,7 +177,7 @@ def programs(n_rows: int, row_pair_bytes: int, kernel_programs: int, device: tor
 
 
 def residual_masses_rows(q_logits, p_logits, kq, kp, temperature, cfg: vocab.SplitConfig, stride_units: int):
-    """``vocab.residual_masses``' outputs without ``chunk_stats``' partials, by whole rows: (N, NC) float32
+    """``residual.residual_masses``' outputs without ``chunk_stats``' partials, by whole rows: (N, NC) float32
     chunk masses of max(0, q - p) and of q and (N, 2) log-sum-exps of q and p. q and p: (N, V) rows (N > 0) of
     one row stride (``stride_units`` units of ``cfg.unit``), 16-byte aligned; kq, kp: (N,) top-k thresholds
     or None."""

@@ -7,7 +7,7 @@ twice) by thousands of (row block, chunk) programs, plus one chunk per row:
   ``exp(x - max)`` of the processed logits (temperature, top-k threshold from
   ``topk.threshold``, which takes q's and p's rows in the same launches);
   residual: for q's and p's rows in one launch;
-* residual only, ``_residual_mass_kernel`` (vocab.py): per (row, chunk) the
+* residual only, ``_residual_mass_kernel`` (residual.py): per (row, chunk) the
   masses of ``max(0, q - p)`` and of q (the row log-sum-exps come from the
   partials); with ``residual_rows.ROWS`` on (opt-in) and a row per SM,
   ``_residual_rows_kernel`` (residual_rows.py) writes the same from both
@@ -57,10 +57,8 @@ from .topk import threshold
 from .checks import check_residual, check_sampling, check_used_rows
 from .flags import launch as flag_launch
 from .utils import exp_ftz, gdc_enter, jit, pdl_meta, row_stride
-from .vocab import (
-    aligned_rows, chunk_stats, residual_masses, residual_probs, row_masses, row_window,
-    split_config, window_load, window_masks,
-)
+from .residual import residual_masses, residual_probs
+from .vocab import aligned_rows, chunk_stats, row_masses, row_window, split_config, window_load, window_masks
 
 
 @triton.jit

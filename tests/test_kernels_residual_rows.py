@@ -14,7 +14,7 @@ import torch
 from helpers import assert_same_tokens, count_variants, on_triton_device, triton_device
 
 from sigmafast.kernels import reference as ref
-from sigmafast.kernels import residual_rows, sampling, vocab
+from sigmafast.kernels import residual, residual_rows, sampling, vocab
 from sigmafast.kernels.utils import row_stride
 
 DEVICE = triton_device()
@@ -59,7 +59,7 @@ def test_rows_masses_equal_the_split_kernels(case, poisoned_empty, monkeypatch):
     cfg = vocab.split_config(V, dtype, bv)
     s_x = row_stride(q) // cfg.unit
     m, s = vocab.chunk_stats(q, kq, T, cfg, s_x, p, kp)
-    want = vocab.residual_masses(q, p, kq, kp, m[:N], s[:N], m[N:], s[N:], T, cfg, s_x)
+    want = residual.residual_masses(q, p, kq, kp, m[:N], s[:N], m[N:], s[N:], T, cfg, s_x)
     got = residual_rows.residual_masses_rows(q, p, kq, kp, T, cfg, s_x)
     for name, a, b in zip(("residual masses", "q masses", "log-sum-exps"), got, want):
         assert not a.isnan().any(), f"{name}: elements left unwritten"

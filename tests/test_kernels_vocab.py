@@ -11,7 +11,7 @@ import triton
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
 from helpers import assert_log_ratio, on_triton_device, triton_device
-from sigmafast.kernels import accept, sampling
+from sigmafast.kernels import accept, residual, sampling
 from sigmafast.kernels import reference as ref
 
 residual_sample = on_triton_device(sampling.residual_sample)
@@ -293,7 +293,7 @@ def test_persistent_stream_matches_one_program_per_tile(dtype, T, k, stages, mon
         mp, sp = vocab.chunk_stats(p, kp, T, cfg, s_x)
         m, s = vocab.chunk_stats(q, kq, T, cfg, s_x, p, kp)  # both in one launch, p's rows after q's
         kth, cand, count = topk.prefilter(q[:24], 5, pre, more=p[:24])  # 192 tiles: few rows, interpreted
-        return [mq, sq, mp, sp, m, s, *vocab.residual_masses(q, p, kq, kp, mq, sq, mp, sp, T, cfg, s_x),
+        return [mq, sq, mp, sp, m, s, *residual.residual_masses(q, p, kq, kp, mq, sq, mp, sp, T, cfg, s_x),
                 kth, cand.sort(1).values, count]
 
     n_tiles = triton.cdiv(N, cfg.block_n) * cfg.nc
