@@ -7,10 +7,11 @@ of their fp32 key, fp16 24, fp32 all 32 (``KEY_BITS``); below them a key's bits
 are 0 for positive values and 1 for negative ones (the sign flip).
 
 Radix select (``radix_kth_largest``: ``topk.kth_largest``'s fallback when its
-prefilter does not apply, top-k above ~V / 512). The key is found 8 bits at a time, from the top: pass p histograms
-digit p of the keys whose higher digits equal the prefix found so far, and the
-digit where the count from the top reaches the remaining rank is the next digit
-of the k-th largest key (2 passes for bf16, 3 for fp16, 4 for fp32).
+prefilter does not apply, top-k above ~V / 512). The key is found 8 bits at a
+time, from the top: pass p histograms digit p of the keys whose higher digits
+equal the prefix found so far, and the digit where the count from the top
+reaches the remaining rank is the next digit of the k-th largest key (2 passes
+for bf16, 3 for fp16, 4 for fp32).
 
 * ``_radix_hist_kernel``, grid (rows, NC): one row × one aligned window chunk
   of ``RADIX_CHUNK`` columns; one ``tl.histogram`` of the matching keys'
