@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from _common import bench_full, device_info
 from _timing import copy_bandwidth_gbps, graph_timings
 from sigmafast.kernels import reference as ref
+from sigmafast.kernels import reference_layers as ref_layers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel benchmarks need a CUDA device")
 
@@ -348,7 +349,7 @@ def test_sublayer_end(benchmark, impl, rows, end, copy_gbps):
 
     fn = fused if impl == "triton" else unfused
     f32 = [t.float() for t in (x, h, fc_w, fc_b, w, b, nw, nb)]
-    want_s, want_h = (ref.mlp_add_norm(*f32) if mlp else ref.linear_add_norm(f32[0], f32[1], *f32[4:]))
+    want_s, want_h = (ref_layers.mlp_add_norm(*f32) if mlp else ref_layers.linear_add_norm(f32[0], f32[1], *f32[4:]))
     s, hn = fn()
     err = max(_rel_err(s, want_s), _rel_err(hn, want_h), _rel_err(out, want_h @ qkv_w.float().t() + qkv_b.float()))
     assert err < 0.05, f"{impl} {end} end is off before timing: {err:.2e}"

@@ -5,7 +5,8 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 (``"sigmafast.kernels" = "kernels"``); there is deliberately no top-level
 ``kernels`` module, which would collide with an unrelated PyPI package.
 
-Every op has one plain PyTorch reference in :mod:`sigmafast.kernels.reference`
+Every op has one plain PyTorch reference, in :mod:`sigmafast.kernels.reference` (the sampler's ops) or
+:mod:`sigmafast.kernels.reference_layers` (the model layers' ops),
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``sampling``, ``layer_norm``, ``fc_gelu``, ``linear_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
 ``along``, ``lossless``, ``flags``, ``plan``; the module names differ from the
@@ -55,7 +56,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, reference, step_checks
+from . import checks, reference, reference_layers, step_checks
 from .backends import (BACKENDS, backend_for, check_triton_device, pdl_enabled, pdl_supported, use_backend,
                        use_pdl)
 from .support import MIN_TRITON, TritonUnavailable, triton_problem
@@ -193,7 +194,7 @@ def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[
     if _resolve(backend, x) == "triton":
         return _triton().layer_norm.add_layer_norm(x, y, weight, bias, eps)
     step_checks.check_add_layer_norm(x, y, weight, bias, eps)
-    return reference.add_layer_norm(x, y, weight, bias, eps)
+    return reference_layers.add_layer_norm(x, y, weight, bias, eps)
 
 
 def linear_gelu(x, weight, bias=None, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -202,7 +203,7 @@ def linear_gelu(x, weight, bias=None, *, backend: Optional[str] = None) -> torch
     if _resolve(backend, x) == "triton":
         return _triton().fc_gelu.linear_gelu(x, weight, bias)
     step_checks.check_linear_gelu(x, weight, bias)
-    return reference.linear_gelu(x, weight, bias)
+    return reference_layers.linear_gelu(x, weight, bias)
 
 
 def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, eps=1e-5, *, next_weight=None,
@@ -214,7 +215,7 @@ def linear_add_norm(x, y, weight, bias=None, norm_weight=None, norm_bias=None, e
     if _resolve(backend, x) == "triton":
         return _triton().linear_norm.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
     step_checks.check_linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
-    return reference.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
+    return reference_layers.linear_add_norm(x, y, weight, bias, norm_weight, norm_bias, eps, **nxt)
 
 
 def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=None, norm_bias=None, eps=1e-5, *,
@@ -227,7 +228,7 @@ def mlp_add_norm(x, h, fc_weight, fc_bias, proj_weight, proj_bias, norm_weight=N
     if _resolve(backend, x) == "triton":
         return _triton().linear_norm.mlp_add_norm(*args, **nxt)
     step_checks.check_mlp_add_norm(*args, **nxt)
-    return reference.mlp_add_norm(*args, **nxt)
+    return reference_layers.mlp_add_norm(*args, **nxt)
 
 
 def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Optional[str] = None) -> None:
@@ -236,7 +237,7 @@ def rotary_(q, k, v, pos_q, pos_k, cos, sin, sign: float = 1.0, *, backend: Opti
     if _resolve(backend, q) == "triton":
         return _triton().rotary.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
     step_checks.check_rotary(q, k, v, pos_q, pos_k, cos, sin)
-    return reference.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
+    return reference_layers.rotary_(q, k, v, pos_q, pos_k, cos, sin, sign)
 
 
 def residual_pick(n, remaining, orders, slots, u_residual, drafts, verifier, *, backend: Optional[str] = None
@@ -282,7 +283,7 @@ def feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out, weigh
     if _resolve(backend, wte) == "triton":
         return _triton().embed.feed_embedding(*args, **nxt)
     step_checks.check_feed_embedding(*args, **nxt)
-    return reference.feed_embedding(*args, **nxt)
+    return reference_layers.feed_embedding(*args, **nxt)
 
 
 def commit(orders, choice, n, tokens, keys, values, *, canvas, known, last_tok, last_pos, k_cache, v_cache, lens,

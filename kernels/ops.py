@@ -76,7 +76,7 @@ from .slots import launch as draft_slots_launch
 from .lossless import pick_launch as residual_pick_launch
 from .lossless import rows_like
 from .rotary import launch as rotary_launch
-from .reference import rotary_ as rotary_reference
+from .reference_layers import rotary_ as rotary_reference
 from .commit_step import launch as commit_launch
 from .decide import launch as decide_launch
 from .embed import launch as feed_embedding_launch

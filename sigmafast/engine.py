@@ -267,7 +267,7 @@ class NeuralSession:
         fused = self.embedding is not None and self.backend == "triton" and not traced() and not model.training
         tok = in_pos = None
         if model.config.rotary or not fused:
-            tok, in_pos = kernels.reference.feed_inputs(self.last_tok, self.last_pos, tokens, orders)
+            tok, in_pos = kernels.reference_layers.feed_inputs(self.last_tok, self.last_pos, tokens, orders)
         if fused:
             wte = self.embedding[0]
             nxt = _next_projection(orders.shape, wte, model.h[0].attn.c_attn, qkv_out) if self.fused_ends else {}

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels.reference import turn_tables
+from .kernels.reference_layers import turn_tables
 from .loss import linear_cross_entropy
 from .model_config import SigmaGPTConfig
 from .positions import Rotary, rotary_tables, sinusoidal_table

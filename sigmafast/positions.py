@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels.reference import rotate_pairs
+from .kernels.reference_layers import rotate_pairs
 
 ROPE_BASE = 10000.0
 PE_SCALE = 0.02 * math.sqrt(2.0)  # channel RMS 0.02, as the token embeddings at init
@@ -55,7 +55,7 @@ def sinusoidal_table(n_pos: int, dim: int, scale: float = PE_SCALE) -> torch.Ten
 
 class Rotary(NamedTuple):
     """Rotation tables of the queries (by ``out_pos``) and keys (by ``in_pos``): (..., 1, T, D) each, the
-    angles' ``[cos, cos]`` and ``[-sin, sin]`` (:func:`~sigmafast.kernels.reference.turn_tables`).
+    angles' ``[cos, cos]`` and ``[-sin, sin]`` (:func:`~sigmafast.kernels.reference_layers.turn_tables`).
 
     With ``values`` the values are rotated as the keys, and :meth:`restore` rotates
     each attention output back by its query's angle (``rope-v``).
@@ -70,7 +70,7 @@ class Rotary(NamedTuple):
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(..., H, T, D) rotated pairwise (x_i, x_{i + D/2}) by the angles of the (..., 1, T, D) tables
-        (:func:`~sigmafast.kernels.reference.rotate_pairs`)."""
+        (:func:`~sigmafast.kernels.reference_layers.rotate_pairs`)."""
         return rotate_pairs(x, cos, sin)
 
     def apply(

@@ -14,7 +14,7 @@ import torch
 from helpers import on_triton_device, record_block_linears, tiny_model, triton_device
 from sigmafast.engine import NeuralSession
 from sigmafast.kernels import embed
-from sigmafast.kernels import reference as ref
+from sigmafast.kernels import reference_layers as ref
 
 feed_embedding = on_triton_device(embed.feed_embedding)
 

@@ -15,7 +15,7 @@ import torch
 import sigmafast
 from helpers import count_variants, engine_tokens_and_kernels, on_triton_device, tiny_model, triton_device
 from sigmafast.kernels import fc_gelu
-from sigmafast.kernels import reference as ref
+from sigmafast.kernels import reference_layers as ref
 
 DEVICE = triton_device()
 linear_gelu = on_triton_device(fc_gelu.linear_gelu)

@@ -13,7 +13,7 @@ import torch
 
 from helpers import on_triton_device
 from sigmafast.kernels import layer_norm
-from sigmafast.kernels import reference as ref
+from sigmafast.kernels import reference_layers as ref
 
 add_layer_norm = on_triton_device(layer_norm.add_layer_norm)
 

@@ -18,7 +18,7 @@ from helpers import (count_variants, engine_tokens_and_kernels, on_triton_device
 from sigmafast import SigmaGPT, SigmaGPTConfig, kernels
 from sigmafast.engine import FusedEnds
 from sigmafast.kernels import linear_norm
-from sigmafast.kernels import reference as ref
+from sigmafast.kernels import reference_layers as ref
 
 DEVICE = triton_device()
 mlp_add_norm = on_triton_device(linear_norm.mlp_add_norm)

@@ -13,9 +13,9 @@ import torch
 import sigmafast
 from helpers import tiny_model, triton_device
 from sigmafast import kernels
-from sigmafast.kernels import reference as ref
+from sigmafast.kernels import reference_layers as ref
 from sigmafast.kernels import rotary
-from sigmafast.kernels.reference import turn_tables
+from sigmafast.kernels.reference_layers import turn_tables
 from sigmafast.positions import rotary_tables
 
 DEVICE = triton_device()

@@ -8,7 +8,7 @@ from sigmafast import orders
 from sigmafast.loss import linear_cross_entropy
 from sigmafast.model import SigmaGPT
 from sigmafast.model_config import PRESETS, SigmaGPTConfig
-from sigmafast.kernels.reference import turn_tables
+from sigmafast.kernels.reference_layers import turn_tables
 from sigmafast.positions import PE_SCALE, Rotary, rotary_tables, sinusoidal_table
 
 
