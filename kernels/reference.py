@@ -35,14 +35,13 @@ def burst_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.
     Query r attends to ``cache[:cache_lens[b]]`` and to ``(k[r], v[r])`` only.
     Returns (B, H, R, D).
     """
-    s = _scale(q, scale)
+    q = q * _scale(q, scale)
     L = k_cache.shape[2]
-    valid = torch.arange(L, device=q.device)[None, :] < cache_lens[:, None]  # (B, L)
-    s_cache = torch.einsum("bhrd,bhld->bhrl", q, k_cache) * s
-    s_cache = s_cache.masked_fill(~valid[:, None, None, :], float("-inf"))
-    s_self = (q * k).sum(-1, keepdim=True) * s  # (B, H, R, 1)
+    valid = torch.arange(L, device=q.device) < cache_lens[:, None]  # (B, L)
+    s_cache = (q @ k_cache.transpose(-1, -2)).masked_fill_(~valid[:, None, None, :], float("-inf"))  # (B, H, R, L)
+    s_self = (q * k).sum(-1, keepdim=True)  # (B, H, R, 1)
     p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)
-    return torch.einsum("bhrl,bhld->bhrd", p[..., :L], v_cache) + p[..., L:] * v
+    return p[..., :L] @ v_cache + p[..., L:] * v
 
 
 def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch.Tensor:
@@ -51,21 +50,19 @@ def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch
     q, k, v: (B, O, H, R, D); k_cache, v_cache: (B, H, L, D); cache_lens: (B,).
     Token r of order o attends to ``cache[:cache_lens[b]]`` and to tokens
     ``0..r`` of order o. Returns (B, O, H, R, D). (This reference repeats the
-    prefix per order; the Triton kernel reads it once.)
+    prefix per order, as keys ``[cache; order o's tokens]``; the Triton kernel
+    reads it once.)
     """
-    s = _scale(q, scale)
     B, O, H, R, D = q.shape
     L = k_cache.shape[2]
-    valid = torch.arange(L, device=q.device)[None, :] < cache_lens[:, None]  # (B, L)
-    s_cache = torch.einsum("bohrd,bhld->bohrl", q, k_cache) * s
-    s_cache = s_cache.masked_fill(~valid[:, None, None, None, :], float("-inf"))
+    valid = torch.arange(L, device=q.device) < cache_lens[:, None]  # (B, L)
     causal = torch.ones(R, R, dtype=torch.bool, device=q.device).tril()
-    s_self = torch.einsum("bohrd,bohtd->bohrt", q, k) * s
-    s_self = s_self.masked_fill(~causal, float("-inf"))
-    p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)
-    return torch.einsum("bohrl,bhld->bohrd", p[..., :L], v_cache) + torch.einsum(
-        "bohrt,bohtd->bohrd", p[..., L:], v
-    )
+    visible = torch.cat([valid[:, None, :].expand(B, R, L), causal.expand(B, R, R)], dim=-1)  # (B, R, L + R)
+    keys = torch.cat([k_cache[:, None].expand(B, O, H, L, D), k], dim=3)  # (B, O, H, L + R, D)
+    values = torch.cat([v_cache[:, None].expand(B, O, H, L, D), v], dim=3)
+    scores = (q * _scale(q, scale)) @ keys.transpose(-1, -2)  # (B, O, H, R, L + R)
+    scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
