@@ -7,6 +7,7 @@ subpackage ``sigmafast.kernels`` through setuptools ``package-dir``
 
 Every op has one plain PyTorch reference, in :mod:`sigmafast.kernels.reference` (the sampler's ops) or
 :mod:`sigmafast.kernels.reference_layers` (the model layers' ops),
+run by blocks of rows on the reference path where they span the vocabulary (``row_blocks``),
 and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``sampling``, ``layer_norm``, ``fc_gelu``, ``linear_norm``, ``commit_step``, ``embed``, ``rotary``, ``slots``,
 ``along``, ``lossless``, ``flags``, ``plan``; the module names differ from the
@@ -56,7 +57,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, reference, reference_layers, step_checks
+from . import checks, reference, reference_layers, row_blocks, step_checks
 from .backends import (BACKENDS, backend_for, check_triton_device, pdl_enabled, pdl_supported, use_backend,
                        use_pdl)
 from .support import MIN_TRITON, TritonUnavailable, triton_problem
@@ -137,7 +138,8 @@ def acceptance(
                                            flag=flag)
     checks.check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule, _REF)
     checks.check_ratio_flag(flag, temperature, logits.device)
-    res = reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    scores = row_blocks.draft_scores(logits, drafts, temperature, top_k)
+    res = reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
     return reference.flagged(res, draft_logp, lengths, flag)
 
 
@@ -146,9 +148,9 @@ def acceptance_from_hidden(
     flag=None, backend: Optional[str] = None, scoring: Optional[str] = None, vocab_size: Optional[int] = None,
 ) -> Acceptance:
     """:func:`acceptance` of the logits ``(hidden @ weight.T)[..., :vocab_size]`` ((B, O, R, C) and
-    (V', C), rows past ``vocab_size`` being alignment padding); the Triton path never writes all the
-    logits at once (``scoring``: see :func:`accept.acceptance_from_hidden`). ``flag``: as in
-    :func:`acceptance`."""
+    (V', C), rows past ``vocab_size`` being alignment padding); neither path writes all the logits at
+    once (``scoring``: see :func:`accept.acceptance_from_hidden`; the reference's: ``row_blocks``).
+    ``flag``: as in :func:`acceptance`."""
     if _resolve(backend, hidden) == "triton":
         fn = _triton().accept.acceptance_from_hidden
         extra = {} if scoring is None else {"scoring": scoring}
@@ -158,10 +160,8 @@ def acceptance_from_hidden(
     checks.check_scoring(hidden.shape[:3], hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k,
                          rule)
     checks.check_ratio_flag(flag, temperature, hidden.device)
-    logits = (hidden @ weight.T)[..., :V]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    res = reference.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
+    scores = row_blocks.scores_from_hidden(hidden, weight, drafts, V, temperature, top_k)
+    res = reference.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
     return reference.flagged(res, draft_logp, lengths, flag)
 
 
@@ -173,7 +173,7 @@ def sample(logits, uniforms, temperature=1.0, top_k=None, *, used=None, flag=Non
         return _triton().sampling.sample(logits, uniforms, temperature, top_k, used=used, flag=flag)
     checks.check_sampling(logits, uniforms, temperature, top_k, dtypes=_REF)
     checks.check_used_rows(used, flag, logits)
-    out = reference.sample(logits, uniforms, temperature, top_k)
+    out = row_blocks.sample(logits, uniforms, temperature, top_k)
     if flag is not None:
         reference.flag_nonfinite(logits, used, flag)
     return out
@@ -185,7 +185,7 @@ def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *
     if _resolve(backend, q_logits) == "triton":
         return _triton().sampling.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
     checks.check_residual(q_logits, p_logits, uniforms, temperature, top_k, dtypes=_REF)
-    return reference.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
+    return row_blocks.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
 
 
 def add_layer_norm(x, y, weight=None, bias=None, eps=1e-5, *, backend: Optional[str] = None

@@ -67,7 +67,7 @@ def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
     """Temperature and top-k applied to (..., V) logits (temperature > 0)."""
-    out = logits / temperature
+    out = logits if temperature == 1 else logits / temperature  # x / 1 == x: no copy
     if top_k is not None and top_k < out.shape[-1]:
         out = out.masked_fill(out < kth_largest(out, top_k)[..., None], float("-inf"))
     return out
@@ -85,10 +85,11 @@ def log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) ->
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """(N, V) unnormalised probabilities and (N,) uniforms -> (N,) token ids."""
-    cdf = probs.cumsum(-1)
+    cdf = probs.cumsum(-1)  # nondecreasing: probs >= 0
     target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    token = (cdf <= target).sum(-1)
-    last_nonzero = (probs > 0).cumsum(-1).argmax(-1)
+    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # the first i with cdf[i] > target
+    index = torch.arange(probs.shape[-1], device=probs.device, dtype=torch.int32)
+    last_nonzero = ((probs > 0) * index).amax(-1).long()  # 0 if none
     return torch.minimum(token, last_nonzero)
 
 
@@ -159,14 +160,18 @@ def acceptance(
     """
     if rule not in RULES:
         raise ValueError(f"acceptance rule must be one of {RULES}, got {rule!r}")
+    return decide(draft_scores(logits, drafts, temperature, top_k), drafts, draft_logp, uniforms, lengths,
+                  temperature, rule)
+
+
+def draft_scores(logits, drafts, temperature=1.0, top_k=None) -> torch.Tensor:
+    """(...) scores of the (...) drafts under the (..., V) logits, as :func:`decide` takes them: log q of
+    each draft (-inf outside the vocabulary), or the logits' argmax when greedy (temperature 0)."""
     if temperature == 0:
-        scores = logits.argmax(-1)
-    else:  # a draft outside the vocabulary has log q = -inf
-        V = logits.shape[-1]
-        scores = log_probs(upcast(logits), temperature, top_k).gather(-1, drafts.clamp(0, V - 1)[..., None])
-        scores = scores.squeeze(-1)
-        scores = scores.masked_fill((drafts < 0) | (drafts >= V), float("-inf"))
-    return decide(scores, drafts, draft_logp, uniforms, lengths, temperature, rule)
+        return logits.argmax(-1)
+    V = logits.shape[-1]
+    scores = log_probs(upcast(logits), temperature, top_k).gather(-1, drafts.clamp(0, V - 1)[..., None])
+    return scores.squeeze(-1).masked_fill((drafts < 0) | (drafts >= V), float("-inf"))
 
 
 def decide(scores, drafts, draft_logp, uniforms, lengths, temperature=1.0, rule="paper") -> Acceptance:

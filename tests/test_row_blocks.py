@@ -1,0 +1,93 @@
+"""The reference path's vocabulary-wide ops by blocks of rows (``kernels.row_blocks``) against the references
+in one call: the same values, whatever the block size, and through the dispatching functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sigmafast import kernels
+from sigmafast.kernels import reference as ref
+from sigmafast.kernels import row_blocks
+
+V = 37
+SAMPLING = [(1.0, None), (0.7, 5), (0.0, None)]  # (temperature, top_k)
+
+
+@pytest.fixture(params=[1, 3, 64], ids=lambda n: f"block{n}")
+def block(request, monkeypatch):
+    """Blocks of ``n`` rows of V float32 (or 16-bit) logits (n // 2 in float64)."""
+    monkeypatch.setattr(row_blocks, "BLOCK_BYTES", request.param * V * 4)
+    return request.param
+
+
+def _logits(N, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, V, generator=g) * 3
+    x[:, 5] = float("-inf")  # a token of probability 0
+    return x.to(dtype), torch.rand(N, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N", [0, 1, 7])
+@pytest.mark.parametrize("temperature, top_k", SAMPLING)
+def test_samples_by_blocks_are_the_reference_samples(block, N, dtype, temperature, top_k):
+    x, u = _logits(N, dtype, seed=N)
+    p, _ = _logits(N, dtype, seed=N + 100)
+    assert row_blocks.block_rows(V, dtype) == max(1, block * 4 // max(dtype.itemsize, 4))
+    tokens, logp = row_blocks.sample(x, u, temperature, top_k)
+    want_tokens, want_logp = ref.sample(x, u, temperature, top_k)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logp, want_logp)
+    assert torch.equal(row_blocks.residual_sample(x, p, u, temperature, top_k),
+                       ref.residual_sample(x, p, u, temperature, top_k))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 3, 5), (3, 1, 4), (2, 2, 0)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("temperature, top_k", SAMPLING)
+def test_draft_scores_by_blocks_are_the_reference_scores(block, shape, temperature, top_k):
+    g = torch.Generator().manual_seed(sum(shape))
+    logits = torch.randn(*shape, V, generator=g)
+    drafts = torch.randint(-1, V + 1, shape, generator=g)  # out-of-vocabulary drafts score -inf
+    want = ref.draft_scores(logits, drafts, temperature, top_k)
+    assert torch.equal(row_blocks.draft_scores(logits, drafts, temperature, top_k), want)
+
+
+@pytest.mark.parametrize("temperature, top_k", SAMPLING)
+def test_scores_from_hidden_by_blocks_match_the_whole_logits(block, temperature, top_k):
+    """The logits come from a block's matmul, which may round otherwise than the whole one: float64, and the
+    scores compared to 1e-12 (greedy: the same argmax)."""
+    g = torch.Generator().manual_seed(1)
+    B, O, R, C, padded = 2, 3, 5, 8, V + 3  # rows past V are the head's alignment padding
+    hidden = torch.randn(B, O, R, C, generator=g, dtype=torch.float64)
+    weight = torch.randn(padded, C, generator=g, dtype=torch.float64)
+    drafts = torch.randint(0, V, (B, O, R), generator=g)
+    got = row_blocks.scores_from_hidden(hidden, weight, drafts, V, temperature, top_k)
+    want = ref.draft_scores((hidden @ weight.T)[..., :V], drafts, temperature, top_k)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_reference_backend_runs_by_blocks(monkeypatch):
+    """kernels.sample, residual_sample, acceptance and acceptance_from_hidden on the reference backend go
+    through row_blocks (one row per block here) and give the one-call references' results."""
+    monkeypatch.setattr(row_blocks, "BLOCK_BYTES", 1)
+    calls = []
+    for name in ("sample", "residual_sample", "draft_scores", "scores_from_hidden"):
+        fn = getattr(row_blocks, name)
+        monkeypatch.setattr(row_blocks, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    x, u = _logits(6, torch.float64, seed=3)
+    p, _ = _logits(6, torch.float64, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(kernels.sample(x, u, 0.8, backend="reference"), ref.sample(x, u, 0.8)))
+    assert torch.equal(kernels.residual_sample(x, p, u, backend="reference"), ref.residual_sample(x, p, u))
+    g = torch.Generator().manual_seed(5)
+    B, O, R, C = 2, 3, 4, 6
+    hidden = torch.randn(B, O, R, C, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, C, generator=g, dtype=torch.float64)
+    drafts = torch.randint(0, V, (B, O, R), generator=g)
+    logp, ua = torch.rand(B, O, R, generator=g, dtype=torch.float64).log(), torch.rand(B, O, R, generator=g)
+    lens = torch.tensor([4, 2])
+    want = ref.acceptance(hidden @ weight.T, drafts, logp, ua, lens, 0.9, None, "paper")
+    for got in (kernels.acceptance(hidden @ weight.T, drafts, logp, ua, lens, 0.9, backend="reference"),
+                kernels.acceptance_from_hidden(hidden, weight, drafts, logp, ua, lens, 0.9, backend="reference")):
+        torch.testing.assert_close(got.logq, want.logq, rtol=1e-12, atol=1e-12)
+        assert all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))
+    assert calls == ["sample", "residual_sample", "draft_scores", "scores_from_hidden"]
