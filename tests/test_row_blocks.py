@@ -34,7 +34,9 @@ def _logits(N, dtype, seed):
 def test_samples_by_blocks_are_the_reference_samples(block, N, dtype, temperature, top_k):
     x, u = _logits(N, dtype, seed=N)
     p, _ = _logits(N, dtype, seed=N + 100)
-    assert row_blocks.block_rows(V, dtype) == max(1, block * 4 // max(dtype.itemsize, 4))
+    assert row_blocks.block_rows(V, dtype, x.device) == max(1, block * 4 // max(dtype.itemsize, 4))
+    on_gpu = row_blocks.DEVICE_BLOCK_BYTES // (V * max(dtype.itemsize, 4))  # larger blocks off the CPU
+    assert row_blocks.block_rows(V, dtype, torch.device("cuda")) == on_gpu
     tokens, logp = row_blocks.sample(x, u, temperature, top_k)
     want_tokens, want_logp = ref.sample(x, u, temperature, top_k)
     assert torch.equal(tokens, want_tokens) and torch.equal(logp, want_logp)
