@@ -49,20 +49,29 @@ def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch
 
     q, k, v: (B, O, H, R, D); k_cache, v_cache: (B, H, L, D); cache_lens: (B,).
     Token r of order o attends to ``cache[:cache_lens[b]]`` and to tokens
-    ``0..r`` of order o. Returns (B, O, H, R, D). (This reference repeats the
-    prefix per order, as keys ``[cache; order o's tokens]``; the Triton kernel
-    reads it once.)
+    ``0..r`` of order o. Returns (B, O, H, R, D). With more queries than the
+    head dim (R > D) the keys are ``[cache; order o's tokens]``, the prefix
+    repeated per order, and one product scores them; with fewer, the prefix is
+    scored once for every order's queries and the orders' own keys apart,
+    which saves copying the prefix (the Triton kernel reads it once either way).
     """
     B, O, H, R, D = q.shape
     L = k_cache.shape[2]
+    q = q * _scale(q, scale)
     valid = torch.arange(L, device=q.device) < cache_lens[:, None]  # (B, L)
     causal = torch.ones(R, R, dtype=torch.bool, device=q.device).tril()
-    visible = torch.cat([valid[:, None, :].expand(B, R, L), causal.expand(B, R, R)], dim=-1)  # (B, R, L + R)
-    keys = torch.cat([k_cache[:, None].expand(B, O, H, L, D), k], dim=3)  # (B, O, H, L + R, D)
-    values = torch.cat([v_cache[:, None].expand(B, O, H, L, D), v], dim=3)
-    scores = (q * _scale(q, scale)) @ keys.transpose(-1, -2)  # (B, O, H, R, L + R)
-    scores.masked_fill_(~visible[:, None, None], float("-inf"))
-    return torch.softmax(scores, dim=-1) @ values
+    hidden = ~torch.cat([valid[:, None, :].expand(B, R, L), causal.expand(B, R, R)], dim=-1)[:, None, None]
+    if R > D:
+        keys = torch.cat([k_cache[:, None].expand(B, O, H, L, D), k], dim=3)  # (B, O, H, L + R, D)
+        values = torch.cat([v_cache[:, None].expand(B, O, H, L, D), v], dim=3)
+        p = torch.softmax((q @ keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf")), dim=-1)
+        return p @ values
+    q_rows = q.transpose(1, 2).reshape(B, H, O * R, D)  # every order's queries against the one prefix
+    s_cache = (q_rows @ k_cache.transpose(-1, -2)).view(B, H, O, R, L).transpose(1, 2)  # (B, O, H, R, L)
+    scores = torch.cat([s_cache, q @ k.transpose(-1, -2)], dim=-1)  # (B, O, H, R, L + R)
+    p = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    p_cache = p[..., :L].transpose(1, 2).reshape(B, H, O * R, L)
+    return (p_cache @ v_cache).view(B, H, O, R, D).transpose(1, 2) + p[..., L:] @ v
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:

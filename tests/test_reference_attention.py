@@ -26,8 +26,9 @@ def _inputs(B, O, H, R, L, D, seed):
     return q, k, v, kc, vc, lens
 
 
-# (B, O, H, R, L, D): one query, one order, an empty cache, ragged lengths, odd sizes
-SHAPES = [(1, 1, 1, 1, 0, 4), (1, 1, 2, 1, 9, 8), (3, 1, 2, 5, 7, 3), (2, 4, 3, 6, 11, 5), (2, 3, 1, 1, 5, 16)]
+# (B, O, H, R, L, D): one query, one order, an empty cache, ragged lengths, odd sizes; R > D and R <= D
+SHAPES = [(1, 1, 1, 1, 0, 4), (1, 1, 2, 1, 9, 8), (3, 1, 2, 5, 7, 3), (2, 4, 3, 6, 11, 5), (2, 3, 1, 1, 5, 16),
+          (2, 3, 2, 4, 6, 8)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-O{}-H{}-R{}-L{}-D{}".format(*s))
