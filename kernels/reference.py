@@ -75,8 +75,9 @@ def verify_attention(q, k, v, k_cache, v_cache, cache_lens, scale=None) -> torch
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
-    """Temperature and top-k applied to (..., V) logits (temperature > 0)."""
-    out = logits if temperature == 1 else logits / temperature  # x / 1 == x: no copy
+    """Temperature and top-k applied to (..., V) logits (temperature > 0). At temperature 1 without top-k this
+    is ``logits`` itself (x / 1 == x): not to be written in place."""
+    out = logits if temperature == 1 else logits / temperature
     if top_k is not None and top_k < out.shape[-1]:
         out = out.masked_fill(out < kth_largest(out, top_k)[..., None], float("-inf"))
     return out
