@@ -99,7 +99,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
     token = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # the first i with cdf[i] > target
     index = torch.arange(probs.shape[-1], device=probs.device, dtype=torch.int32)
-    last_nonzero = ((probs > 0) * index).amax(-1).long()  # 0 if none
+    last_nonzero = (probs > 0).int().mul_(index).amax(-1).long()  # 0 if none
     return torch.minimum(token, last_nonzero)
 
 
