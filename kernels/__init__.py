@@ -41,9 +41,10 @@ its plan. The functions below pick one per call:
   ``tl.dot`` returns garbage in it).
 
 These rules, ``use_backend`` and ``use_pdl`` live in ``backends``. Triton and the kernel modules are imported
-only when the Triton path is taken, so importing this package needs no triton (e.g. on macOS). The kernels need triton >= 3.4 (``MIN_TRITON``,
-``support``; PDL 3.5): without it, ``auto`` takes the reference (with a warning for CUDA tensors), and an explicit
-``triton`` raises ``TritonUnavailable``; ``triton_problem()`` says why. Every function
+only when the Triton path is taken, so importing this package needs no triton (e.g. on macOS). The kernels
+need triton >= 3.4 (``MIN_TRITON``, ``support``; PDL 3.5): without it, ``auto`` takes the reference (with a
+warning for CUDA tensors), and an explicit ``triton`` raises ``TritonUnavailable``; ``triton_problem()`` says
+why. Every function
 checks its arguments the same way on both paths (``checks``, ``step_checks``:
 the reference also takes float64, and any width or stride). Like any Triton kernel, a Triton op launches on
 the current CUDA device: call it for tensors on another GPU under ``torch.cuda.device(t.device)``, as
