@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from sigmafast import orders
-from sigmafast import loss as loss_mod
 from sigmafast.loss import linear_cross_entropy
 from sigmafast.model import SigmaGPT
 from sigmafast.model_config import PRESETS, SigmaGPTConfig
@@ -111,55 +110,6 @@ def test_chunked_loss_matches_full_cross_entropy(model, chunk_elements):
         torch.testing.assert_close(g_chunked[name], g_full[name], rtol=1e-10, atol=1e-12)
     with torch.no_grad():
         torch.testing.assert_close(model.loss(tokens, in_pos, out_pos, targets) * 3.0, full, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
-def test_chunked_loss_takes_the_cpu_chunk_by_default(grad, monkeypatch):
-    """Without ``chunk_elements``, CPU tensors go in chunks of CPU_LOSS_CHUNK_ELEMENTS (here 3 rows of 5
-    logits), with the loss and gradients of one chunk; other devices keep LOSS_CHUNK_ELEMENTS."""
-    monkeypatch.setattr(loss_mod, "CPU_LOSS_CHUNK_ELEMENTS", 15)
-    chunks = []
-    chunk_loss = loss_mod._chunk_loss
-    monkeypatch.setattr(loss_mod, "_chunk_loss", lambda h, *a: chunks.append(len(h)) or chunk_loss(h, *a))
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(7, 8, generator=g, dtype=torch.float64, requires_grad=grad)
-    w = torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=grad)
-    y = torch.tensor([0, 4, -1, 2, 3, 1, 1])
-    with torch.set_grad_enabled(grad):
-        got = linear_cross_entropy(h, w, y)
-    assert chunks == [3, 3, 1]
-    want = F.cross_entropy(h @ w.T, y, ignore_index=-1)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    if grad:
-        got_grads = torch.autograd.grad(got, (h, w))
-        for a, b in zip(got_grads, torch.autograd.grad(want, (h, w))):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert loss_mod.default_chunk_elements(torch.device("cuda")) == loss_mod.LOSS_CHUNK_ELEMENTS
-
-
-def test_chunked_loss_all_ignored_is_zero_with_zero_gradient():
-    h = torch.randn(4, 8, requires_grad=True)
-    w = torch.randn(5, 8, requires_grad=True)
-    loss = linear_cross_entropy(h, w, torch.full((4,), -1), chunk_elements=10)
-    loss.backward()
-    assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any()
-
-
-@pytest.mark.parametrize(
-    "args,error,match",
-    [
-        ((torch.randn(4, 8), torch.randn(5, 7), torch.zeros(4, dtype=torch.long)), ValueError, "weight must be"),
-        ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(3, dtype=torch.long)), ValueError, "targets must have"),
-        ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4)), TypeError, "targets must be int64"),
-        ((torch.randn(4, 8), torch.randn(5, 8), [0, 1, 2, 3]), TypeError, "targets must be an int64 torch.Tensor"),
-        ((torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long), 1e3), TypeError,
-         "chunk_elements must be None or an int, got float"),
-    ],
-    ids=["width", "targets-shape", "targets-dtype", "targets-list", "chunk-float"],
-)
-def test_chunked_loss_rejects_bad_inputs(args, error, match):
-    with pytest.raises(error, match=match):
-        linear_cross_entropy(*args[:3], **({"chunk_elements": args[3]} if len(args) > 3 else {}))
 
 
 def test_rope_scores_depend_only_on_the_offset():
