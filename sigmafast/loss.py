@@ -2,8 +2,7 @@
 
 ``linear_cross_entropy(hidden, weight, targets)`` equals
 ``F.cross_entropy(hidden @ weight.T, targets, ignore_index=-1)`` but never holds
-more than :data:`LOSS_CHUNK_ELEMENTS` logits at a time (:data:`CPU_LOSS_CHUNK_ELEMENTS`
-on the CPU). With gradients it
+more than :func:`default_chunk_elements` logits at a time. With gradients it
 computes them during the forward, chunk by chunk (Liger-Kernel's fused
 linear cross-entropy, in PyTorch):
 
@@ -19,12 +18,10 @@ tensors, chunked alongside), and ``row_weight`` weights each row's loss; the
 gradient is then ``row_weight_n (softmax(adjusted_n) - onehot(y_n)) / N_valid``.
 Peak extra memory is about three chunks of float32 logits (logits, their
 softmax and the gradient) instead of ``3 N V`` floats: 6.6 GB → 0.4 GB for a
-32 × 1024 batch over GPT-2's 50257 tokens. The CPU's chunks are smaller: on
-Linux every allocation over glibc's largest mmap threshold (32 MB) is mapped
-afresh and page-faulted in as it is written, so 128 MiB chunks cost more in
-faults than in cache misses (``small``'s width, 4096 rows of 50257, forward and
-backward on one Intel Xeon thread: 2.95 s in chunks of 2^25 logits, 2.24 s in
-chunks of 2^22).
+32 × 1024 batch over GPT-2's 50257 tokens. The CPU's chunks are smaller, as the
+sampler's row blocks are (``kernels.row_blocks`` says why): at ``small``'s width,
+4096 rows of 50257 took 2.95 s forward and backward in chunks of 2^25 logits and
+2.24 s in chunks of 2^22 (one Intel Xeon thread).
 """
 
 from __future__ import annotations
@@ -34,8 +31,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-LOSS_CHUNK_ELEMENTS = 2**25  # logits per chunk (128 MiB in float32)
-CPU_LOSS_CHUNK_ELEMENTS = 2**22  # on the CPU (16 MiB): under glibc's mmap threshold once it is raised
+from .kernels import row_blocks
+
+LOSS_CHUNK_ELEMENTS = row_blocks.DEVICE_BLOCK_ELEMENTS  # logits per chunk off the CPU (128 MiB in float32)
 IGNORE_INDEX = -1
 
 
@@ -59,8 +57,8 @@ def step_weights(weighting: str, seq_len: int) -> Optional[torch.Tensor]:
 
 
 def default_chunk_elements(device: torch.device) -> int:
-    """Logits per chunk when the caller gives none: smaller on the CPU (the module's docstring says why)."""
-    return CPU_LOSS_CHUNK_ELEMENTS if device.type == "cpu" else LOSS_CHUNK_ELEMENTS
+    """Logits per chunk when the caller gives none: the sampler's row blocks' size, smaller on the CPU."""
+    return row_blocks.block_elements(device)
 
 
 def chunk_rows(vocab_size: int, chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> int:

@@ -8,14 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from sigmafast import loss as loss_mod
+from sigmafast.kernels import row_blocks
 from sigmafast.loss import linear_cross_entropy
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
 def test_chunked_loss_takes_the_cpu_chunk_by_default(grad, monkeypatch):
-    """Without ``chunk_elements``, CPU tensors go in chunks of CPU_LOSS_CHUNK_ELEMENTS (here 3 rows of 5
+    """Without ``chunk_elements``, CPU tensors go in chunks of the sampler's CPU row blocks (here 3 rows of 5
     logits), with the loss and gradients of ``F.cross_entropy``; other devices keep LOSS_CHUNK_ELEMENTS."""
-    monkeypatch.setattr(loss_mod, "CPU_LOSS_CHUNK_ELEMENTS", 15)
+    monkeypatch.setattr(row_blocks, "CPU_BLOCK_ELEMENTS", 15)
     chunks = []
     chunk_loss = loss_mod._chunk_loss
     monkeypatch.setattr(loss_mod, "_chunk_loss", lambda h, *a: chunks.append(len(h)) or chunk_loss(h, *a))

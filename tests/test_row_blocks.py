@@ -17,7 +17,7 @@ SAMPLING = [(1.0, None), (0.7, 5), (0.0, None)]  # (temperature, top_k)
 @pytest.fixture(params=[1, 3, 64], ids=lambda n: f"block{n}")
 def block(request, monkeypatch):
     """Blocks of ``n`` rows of V float32 (or 16-bit) logits (n // 2 in float64)."""
-    monkeypatch.setattr(row_blocks, "BLOCK_BYTES", request.param * V * 4)
+    monkeypatch.setattr(row_blocks, "CPU_BLOCK_ELEMENTS", request.param * V)
     return request.param
 
 
@@ -35,8 +35,7 @@ def test_samples_by_blocks_are_the_reference_samples(block, N, dtype, temperatur
     x, u = _logits(N, dtype, seed=N)
     p, _ = _logits(N, dtype, seed=N + 100)
     assert row_blocks.block_rows(V, dtype, x.device) == max(1, block * 4 // max(dtype.itemsize, 4))
-    on_gpu = row_blocks.DEVICE_BLOCK_BYTES // (V * max(dtype.itemsize, 4))  # larger blocks off the CPU
-    assert row_blocks.block_rows(V, dtype, torch.device("cuda")) == on_gpu
+    assert row_blocks.block_rows(V, dtype, torch.device("cuda")) > 64  # larger blocks off the CPU
     tokens, logp = row_blocks.sample(x, u, temperature, top_k)
     want_tokens, want_logp = ref.sample(x, u, temperature, top_k)
     assert torch.equal(tokens, want_tokens) and torch.equal(logp, want_logp)
@@ -71,7 +70,7 @@ def test_scores_from_hidden_by_blocks_match_the_whole_logits(block, temperature,
 def test_the_reference_backend_runs_by_blocks(monkeypatch):
     """kernels.sample, residual_sample, acceptance and acceptance_from_hidden on the reference backend go
     through row_blocks (one row per block here) and give the one-call references' results."""
-    monkeypatch.setattr(row_blocks, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(row_blocks, "CPU_BLOCK_ELEMENTS", 1)
     calls = []
     for name in ("sample", "residual_sample", "draft_scores", "scores_from_hidden"):
         fn = getattr(row_blocks, name)
