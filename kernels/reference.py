@@ -98,8 +98,10 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)  # nondecreasing: probs >= 0
     target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
     token = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # the first i with cdf[i] > target
-    index = torch.arange(probs.shape[-1], device=probs.device, dtype=torch.int32)
-    last_nonzero = (probs > 0).int().mul_(index).amax(-1).long()  # 0 if none
+    V = probs.shape[-1]
+    exact = torch.float64 if probs.dtype == torch.float64 or V > 1 << 24 else torch.float32  # holds every index
+    index = torch.arange(V, device=probs.device, dtype=exact)
+    last_nonzero = probs.sign().to(exact).mul_(index).amax(-1).long()  # 0 if none; sign(NaN) is 0
     return torch.minimum(token, last_nonzero)
 
 
@@ -121,9 +123,9 @@ def sample(logits, uniforms, temperature=1.0, top_k=None) -> tuple[torch.Tensor,
     logits = upcast(logits)
     if temperature == 0:
         return logits.argmax(-1), torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
-    logp = log_probs(logits, temperature, top_k)
-    tokens = inverse_cdf(logp.exp(), uniforms)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    probs = torch.softmax(process_logits(logits, temperature, top_k), dim=-1)
+    tokens = inverse_cdf(probs, uniforms)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
 
 
 def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None) -> torch.Tensor:
@@ -136,8 +138,8 @@ def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None) -
     q_logits, p_logits = upcast(q_logits), upcast(p_logits)
     if temperature == 0:
         return q_logits.argmax(-1)
-    q = log_probs(q_logits, temperature, top_k).exp()
-    p = log_probs(p_logits, temperature, top_k).exp()
+    q = torch.softmax(process_logits(q_logits, temperature, top_k), dim=-1)
+    p = torch.softmax(process_logits(p_logits, temperature, top_k), dim=-1)
     r = (q - p).clamp_min(0)
     empty = r.sum(-1, keepdim=True) <= 0
     return inverse_cdf(torch.where(empty, q, r), uniforms)
