@@ -13,8 +13,9 @@ and one Triton implementation (``attention``, ``accept`` with ``decide``,
 ``along``, ``lossless``, ``flags``, ``plan``; the module names differ from the
 functions' so that importing a module never rebinds a public name of this
 package), registered as PyTorch custom ops ``torch.ops.sigmafast.*`` by ``ops``
-so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` is an
-extra: acceptance straight from hidden states and the LM-head weight;
+so that ``torch.compile`` traces through them. ``acceptance_from_hidden`` and
+``sample_from_hidden`` are extras: acceptance and sampling straight from hidden
+states and the LM-head weight;
 ``add_layer_norm``, ``linear_gelu``, ``linear_add_norm``, ``mlp_add_norm``, ``feed_embedding``,
 ``rotary_``, ``draft_slots``, ``gather_drafts`` and ``commit``
 fuse a step's small ops (a residual add and its LayerNorm; a narrow model's
@@ -178,6 +179,20 @@ def sample(logits, uniforms, temperature=1.0, top_k=None, *, used=None, flag=Non
     if flag is not None:
         reference.flag_nonfinite(logits, used, flag)
     return out
+
+
+def sample_from_hidden(hidden, weight, uniforms, temperature=1.0, top_k=None, *, vocab_size=None, used=None,
+                       flag=None, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample` of the logits ``(hidden @ weight.T)[:, :vocab_size]`` ((N, C) and (V', C), rows past
+    ``vocab_size`` being alignment padding). The reference path computes them a block of rows at a time
+    (``row_blocks``), never all at once; the Triton path writes them whole and runs the sampling kernel."""
+    V = checks.check_hidden(hidden, weight, vocab_size, _REF, ndim=2)
+    if _resolve(backend, hidden) == "triton":
+        logits = torch.nn.functional.linear(hidden, weight)[:, :V]
+        return sample(logits, uniforms, temperature, top_k, used=used, flag=flag, backend="triton")
+    checks.check_sampling(hidden, uniforms, temperature, top_k, name="hidden", dtypes=_REF)
+    checks.check_used_rows(used, flag, hidden)
+    return row_blocks.sample_from_hidden(hidden, weight, uniforms, V, temperature, top_k, used, flag)
 
 
 def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[str] = None

@@ -209,9 +209,10 @@ def check_acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature,
     check_scoring(logits.shape[:3], logits.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)
 
 
-def check_hidden(hidden, weight, vocab_size, dtypes: tuple = FLOAT_DTYPES) -> int:
-    """(B, O, R, C) hidden states and a (V', C) LM-head weight; returns the vocabulary size V."""
-    check_float("hidden", hidden, 4, dtypes)
+def check_hidden(hidden, weight, vocab_size, dtypes: tuple = FLOAT_DTYPES, ndim: int = 4) -> int:
+    """(B, O, R, C) hidden states (``ndim`` dimensions, C last) and a (V', C) LM-head weight; returns the
+    vocabulary size V."""
+    check_float("hidden", hidden, ndim, dtypes)
     check_float("weight", weight, 2, dtypes)
     if weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
         raise ValueError(

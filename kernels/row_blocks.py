@@ -14,10 +14,11 @@ allocator has no such cost, and the blocks are larger (``DEVICE_BLOCK_ELEMENTS``
 for fewer launches. The training loss's chunks (``sigmafast.loss``) take the
 same sizes, for the same reason.
 
-``scores_from_hidden`` also computes the logits block by block, so the
-(B, O, R, V) logits of a burst are never materialised whole on this path
-either. A block's matmul may round differently from the whole one's (BLAS
-blocking); every other value is the same.
+``scores_from_hidden`` and ``sample_from_hidden`` also compute the logits
+block by block, so neither a burst's (B, O, R, V) verifier logits nor its
+(B, R, V) draft logits are materialised whole on this path. A block's matmul
+may round differently from the whole one's (BLAS blocking); every other value
+is the same.
 """
 
 from __future__ import annotations
@@ -82,3 +83,20 @@ def scores_from_hidden(hidden, weight, drafts, vocab_size: int, temperature=1.0,
     n = block_rows(weight.shape[0], hidden.dtype, hidden.device)
     return _by_rows(lambda h, d: reference.draft_scores((h @ weight.T)[:, :vocab_size], d, temperature, top_k), n,
                     hidden.reshape(-1, hidden.shape[-1]), drafts.reshape(-1)).view(drafts.shape)
+
+
+def sample_from_hidden(hidden, weight, uniforms, vocab_size: int, temperature=1.0, top_k: Optional[int] = None,
+                       used: Optional[torch.Tensor] = None, flag: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference.sample` of the logits ``(hidden @ weight.T)[:, :vocab_size]`` ((N, C) and (V', C)) with
+    (N,) ``uniforms``, the logits computed by blocks of rows; with a () bool ``flag``, also
+    :func:`reference.flag_nonfinite` of each block's logits (``used``: None or the (N,) bool rows to check)."""
+    n = block_rows(weight.shape[0], hidden.dtype, hidden.device)
+
+    def block(h, u, *rows_used):
+        logits = (h @ weight.T)[:, :vocab_size]
+        if flag is not None:
+            reference.flag_nonfinite(logits, rows_used[0] if rows_used else None, flag)
+        return reference.sample(logits, u, temperature, top_k)
+
+    return _by_rows(block, n, hidden, uniforms, *(() if used is None else (used,)))

@@ -278,6 +278,10 @@ class NeuralSession:
 
     def draft(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, R) queried positions -> (B, R, V) logits of p(x_j | visited)."""
+        return self.head(self.draft_hidden(positions))
+
+    def draft_hidden(self, positions: torch.Tensor) -> torch.Tensor:
+        """(B, R) queried positions -> (B, R, C) final hidden states of :meth:`draft` (before the LM head)."""
         B, R = positions.shape
         model, cache = self.model, self.cache
         x, h, _, proj = self.feed(positions[..., None], None)  # (B, R, 1, C): R orders of one step
@@ -288,7 +292,7 @@ class NeuralSession:
             k_cache, v_cache = cache.layer(i)
             return kernels.burst_attention(q, k, v, k_cache, v_cache, cache.lens, backend=self.backend)
 
-        return self.head(model.run_layers(x, attend, rotary, ends=self._ends(), h=h, proj=proj))
+        return model.run_layers(x, attend, rotary, ends=self._ends(), h=h, proj=proj)
 
     def rotary(self, in_pos: torch.Tensor, out_pos: torch.Tensor):
         """The model's RoPE of a forward at (..., T) positions (None without one): in-place kernels on the

@@ -99,7 +99,7 @@ def training_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, a
 
 
 def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,
-                        param_bytes: int, verifier_logits: bool = True) -> int:
+                        param_bytes: int, block_elements: Optional[int] = None) -> int:
     """Estimated bytes of the largest tensors of one burst iteration.
 
     With B rows, O orders, T positions (R <= T remaining), width C, L layers,
@@ -107,16 +107,21 @@ def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int
 
         16 B O T                  order keys (float64) and their argsort (int64)
       + s B O T C (2 L + 6)       verification: every layer's keys and values, and the activations of one layer
-      + 4 B T V (O + 1)           draft logits, and the verifier's (fp32) when ``verifier_logits``
+      + 4 B T V                   the draft's logits, whole (the Triton path: its residual reads them)
+        or 16 N                   (the reference path, ``block_elements`` N) four float32 temporaries of a
+                                  block of rows of logits (``kernels.row_blocks``)
 
-    ``verifier_logits``: the reference scoring materialises the (B, O, R, V) verifier
-    logits; the Triton kernels score the drafts from hidden states in chunks (then O + 1
-    becomes 1).
+    Neither path writes the (B, O, R, V) verifier logits whole: the Triton kernels score the
+    drafts from hidden states in chunks, the reference a block of rows at a time, and the
+    reference path draws the drafts from hidden states a block at a time too.
     """
     B, O, T = batch_size, num_orders, seq_len
     keys = 16 * B * O * T
     verify = param_bytes * B * O * T * config.n_embd * (2 * config.n_layer + 6)
-    logits = FP32_BYTES * B * T * config.vocab_size * ((O + 1) if verifier_logits else 1)
+    if block_elements is None:
+        logits = FP32_BYTES * B * T * config.vocab_size
+    else:
+        logits = 4 * FP32_BYTES * block_elements
     return keys + verify + logits
 
 
@@ -156,12 +161,12 @@ def check_training_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int,
 
 
 def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,
-                          device: torch.device, param_bytes: int, verifier_logits: bool = True,
+                          device: torch.device, param_bytes: int, block_elements: Optional[int] = None,
                           available: Optional[int] = None) -> int:
     """The :func:`sampling_peak_bytes` estimate; a ``ValueError`` naming ``num_orders`` and the batch
     when it exceeds the available memory of ``device``. The free memory is read (unless ``available``
     is given) only for estimates above ``SAMPLING_CHECK_FLOOR``: small calls cost nothing."""
-    need = sampling_peak_bytes(config, batch_size, num_orders, seq_len, param_bytes, verifier_logits)
+    need = sampling_peak_bytes(config, batch_size, num_orders, seq_len, param_bytes, block_elements)
     if available is None and need < SAMPLING_CHECK_FLOOR:
         return need
     return _check_fits(need, device, available, f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens",

@@ -157,13 +157,14 @@ def check_burst_memory(model, req: Request) -> None:
     after :func:`prepare`; the other users of ``prepare`` (density, diffusion) run no burst."""
     if req.strategy != "burst" or not is_sigma_gpt(model):
         return
-    from .kernels import backend_for
+    from .kernels import backend_for, row_blocks
     from .memory import check_sampling_memory
 
     param = next(model.parameters())
     B, T = req.canvas.shape
+    blocks = None if backend_for(param) == "triton" else row_blocks.block_elements(param.device)
     check_sampling_memory(model.config, B, req.num_orders, T, param.device, param.element_size(),
-                          verifier_logits=backend_for(param) != "triton")
+                          block_elements=blocks)
 
 
 def check_callback(on_iteration) -> None:

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import kernels
-from .engine import Verified, traced
+from .engine import NeuralSession, Verified, traced
 from .kernels import Acceptance
 from .request import BurstDraws
 from .scoring import MeasuredScoring
@@ -46,9 +46,10 @@ def bucket(n: int, cap: int) -> int:
 
 class Drafts(NamedTuple):
     positions: torch.Tensor  # (B, R) remaining positions first, ascending, then padding
-    logits: torch.Tensor  # (B, R, V) draft logits p(x_j | visited)
+    logits: Optional[torch.Tensor]  # (B, R, V) draft logits p(x_j | visited), or None (see ``hidden``)
     tokens: torch.Tensor  # (B, R) the draft at each queried position
     logp: torch.Tensor  # (B, R) log p of each draft
+    hidden: Optional[torch.Tensor] = None  # (B, R, C) the network's final hidden states when ``logits`` is None
 
 
 class Along(NamedTuple):
@@ -110,8 +111,16 @@ class Slots(NamedTuple):
 
 
 def draft(session, slots: Slots, temperature: float, top_k: Optional[int]) -> Drafts:
-    """Sample a draft at each of the R slots of every row (flagging used logits rows that are not finite)."""
+    """Sample a draft at each of the R slots of every row (flagging used logits rows that are not finite). A
+    network on the reference path keeps its hidden states and computes the logits a block of rows at a time
+    (``kernels.sample_from_hidden``); the Triton path keeps the (B, R, V) logits, which the residual reads."""
     B, R = slots.positions.shape
+    if isinstance(session, NeuralSession) and session.backend != "triton":
+        hidden = session.draft_hidden(slots.positions)  # (B, R, C)
+        tok, logp = kernels.sample_from_hidden(hidden.flatten(0, 1), session.head_weight, slots.u_draft.flatten(),
+                                               temperature, top_k, vocab_size=session.vocab_size,
+                                               used=slots.used.flatten(), flag=session.nonfinite, backend="reference")
+        return Drafts(slots.positions, None, tok.view(B, R), logp.view(B, R), hidden)
     logits = session.draft(slots.positions)  # (B, R, V)
     tok, logp = sample_checked(session, logits.flatten(0, 1), slots.u_draft.flatten(), slots.used.flatten(),
                                session.nonfinite, temperature, top_k)
@@ -178,11 +187,14 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
 
     Returns the (B,) residual tokens and the (B,) committed counts n + rejected (the residual token goes at
     step n where the row rejected)."""
-    # at step k (the rejected one, the last one where none was: unused): its uniform, the draft's logits row
-    # (B, V) and the verifier's row (B, C or V)
+    # at step k (the rejected one, the last one where none was: unused): its uniform, the draft's row (B, V or C)
+    # and the verifier's row (B, C or V)
+    p_outputs = drafts.logits if drafts.hidden is None else drafts.hidden  # (B, R, V or C)
     u, n_commit, p_rows, v_rows = kernels.residual_pick(n, remaining, verified.orders[:, 0], along.slot[:, 0],
-                                                        u_residual, drafts.logits, outputs(verified)[:, 0],
+                                                        u_residual, p_outputs, outputs(verified)[:, 0],
                                                         backend=_backend(session))
+    if drafts.hidden is not None:
+        p_rows = session.head(p_rows)  # (B, V)
     q_rows = verifier_logits(session, verified, v_rows)  # (B, V): the head's row stride, as the Triton pick's p_rows
     tok = kernels.residual_sample(q_rows, p_rows, u, temperature, top_k, backend=_backend(session))
     return tok, n_commit

@@ -10,12 +10,15 @@ tests compare many draws from one launch with the exact softmax.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
 from helpers import assert_log_ratio, on_triton_device, triton_device
+from sigmafast import kernels
 from sigmafast.kernels import accept, lm_head, sampling
 from sigmafast.kernels import reference as ref
 
@@ -24,6 +27,7 @@ acceptance = on_triton_device(accept.acceptance)
 acceptance_from_hidden = on_triton_device(accept.acceptance_from_hidden)
 residual_sample = on_triton_device(sampling.residual_sample)
 sample = on_triton_device(sampling.sample)
+sample_from_hidden = on_triton_device(functools.partial(kernels.sample_from_hidden, backend="triton"))
 
 
 SAMPLE_CASES = [
@@ -52,6 +56,27 @@ def test_sample_matches_reference(case, poisoned_empty):
     _assert_same_tokens(tokens, want, ref.log_probs(logits, T, k).exp(), u)
     full = ref.log_probs(logits, T, k).gather(-1, tokens[:, None]).squeeze(-1)
     torch.testing.assert_close(logp, full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 5), (0.0, None)])
+def test_sample_from_hidden_is_the_sample_of_the_head_s_logits(temperature, top_k):
+    """``kernels.sample_from_hidden`` on the Triton path (the logits whole, then the sampling kernel) against
+    the reference sampling of the same logits; the head's padding rows past V are never drawn."""
+    g = torch.Generator().manual_seed(4)
+    N, C, V = 40, 16, 300
+    hidden = torch.randn(N, C, generator=g)
+    weight = torch.randn(V + 20, C, generator=g) / 2
+    weight[V:] = 10.0
+    u = torch.rand(N, generator=g)
+    tokens, logp = sample_from_hidden(hidden, weight, u, temperature, top_k, vocab_size=V)
+    logits = (hidden @ weight.T)[:, :V]
+    if temperature == 0:
+        assert torch.equal(tokens, logits.argmax(-1)) and not bool(logp.any())
+        return
+    want, _ = ref.sample(logits, u, temperature, top_k)
+    _assert_same_tokens(tokens, want, ref.log_probs(logits, temperature, top_k).exp(), u)
+    full = ref.log_probs(logits, temperature, top_k).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, full, rtol=0, atol=1e-4)
 
 
 def test_sample_greedy_and_uniform_edges():

@@ -148,8 +148,10 @@ def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(
 
     cfg = model.config
     one, many = (sampling_peak_bytes(cfg, 4, o, T, 8) for o in (1, 10))
-    per_order = 16 * 4 * T + 8 * 4 * T * cfg.n_embd * (2 * cfg.n_layer + 6) + 4 * 4 * T * VOCAB
+    per_order = 16 * 4 * T + 8 * 4 * T * cfg.n_embd * (2 * cfg.n_layer + 6)  # no logits per order on either path
     assert many - one == 9 * per_order
+    blocks = 1000  # the reference path: four float32 blocks of logits in place of the whole draft's
+    assert sampling_peak_bytes(cfg, 4, 10, T, 8, block_elements=blocks) == many - 4 * 4 * T * VOCAB + 16 * blocks
     assert check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many) == many
     with pytest.raises(ValueError, match="num_orders=10 with 4 rows of 8 tokens"):
         check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many - 1)
