@@ -214,6 +214,8 @@ def check_hidden(hidden, weight, vocab_size, dtypes: tuple = FLOAT_DTYPES, ndim:
     vocabulary size V."""
     check_float("hidden", hidden, ndim, dtypes)
     check_float("weight", weight, 2, dtypes)
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"hidden must have a nonempty last (channel) dimension, got shape {tuple(hidden.shape)}")
     if weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
         raise ValueError(
             f"weight must be (V, C={hidden.shape[-1]}) {hidden.dtype} on {hidden.device}, "

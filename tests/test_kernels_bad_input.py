@@ -97,6 +97,8 @@ def _sampler_bad_calls():
          ValueError, "weight must be"),
         ("sample-hidden-uniforms", lambda b: kernels.sample_from_hidden(hidden[0, 0], weight, u[:3], backend=b),
          ValueError, "uniforms must have shape"),
+        ("sample-hidden-no-channel", lambda b: kernels.sample_from_hidden(_t(4, 0), _t(10, 0), u, backend=b),
+         ValueError, "hidden must have a nonempty last"),
         ("sample-hidden-used", lambda b: kernels.sample_from_hidden(hidden[0, 0], weight, u, used=u > 0, backend=b),
          ValueError, "used is only read with a flag"),
         ("attention-cache-batch", attn((3, 4), lambda c: c[:1]), ValueError, "k_cache must have shape"),
