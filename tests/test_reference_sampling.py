@@ -30,9 +30,9 @@ def test_inverse_cdf_is_the_first_crossing_clamped_to_the_last_nonzero(dtype):
     probs = torch.tensor([0.0, 0.25, 0.0, 0.25, 0.5, 0.0, 0.0], dtype=dtype)  # trailing zeros: the clamp's case
     u = torch.tensor([0.0, 0.1, 0.25 - 2**-20, 0.25, 0.49, 0.5, 0.99, 1.0, 0.6], dtype=torch.float64)
     rows = torch.stack([probs, probs * 3])  # unnormalised rows too
-    for scale in range(2):
-        got = ref.inverse_cdf(rows[scale].expand(len(u), -1), u)
-        want = [_inverse_cdf_by_hand(rows[scale], float(x)) for x in u.to(dtype).double()]
+    for row in rows:
+        got = ref.inverse_cdf(row.expand(len(u), -1), u)
+        want = [_inverse_cdf_by_hand(row, float(x)) for x in u.to(dtype).double()]
         assert got.tolist() == want
     assert want == [1, 1, 1, 3, 3, 4, 4, 4, 4]  # u = 1 crosses nothing: the clamp
 
