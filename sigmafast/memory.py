@@ -20,16 +20,16 @@ from typing import Optional
 
 import torch
 
+from .loss import LOSS_CHUNK_ELEMENTS
 from .model import SigmaGPTConfig
 
 GIB = 2**30
-# Mirrors sigmafast/loss.py: the chunked cross-entropy never holds more logits than this at a time.
-LOSS_CHUNK_ELEMENTS = 2**25
 FP32_BYTES = 4
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight, gradient, exp_avg and exp_avg_sq
 ACTIVATIONS_ATTENTION = 6  # saved (token, channel) elements per layer's attention, see training_peak_bytes
 ACTIVATIONS_OUTSIDE = 2  # final LayerNorm in and out (the embeddings' sum is the first block's input)
-LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32
+LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32 (chunks of LOSS_CHUNK_ELEMENTS)
+BLOCK_COPIES = 4  # a row block's logits, probabilities, CDF and signs, fp32 (kernels.row_blocks, reference path)
 LOSS_WEIGHT_GRADS = 2  # the chunked loss's (V, C) fp32 weight gradient, and its scaled copy in the backward
 SAMPLING_CHECK_FLOOR = 256 * 2**20  # smaller burst iterations skip reading the free memory
 TRAINING_FLAGS = ("--batch-size (raise --grad-accum to keep the tokens per step), --seq-len, or the model "
@@ -108,8 +108,8 @@ def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int
         16 B O T                  order keys (float64) and their argsort (int64)
       + s B O T C (2 L + 6)       verification: every layer's keys and values, and the activations of one layer
       + 4 B T V                   the draft's logits, whole (the Triton path: its residual reads them)
-        or 16 N                   (the reference path, ``block_elements`` N) four float32 temporaries of a
-                                  block of rows of logits (``kernels.row_blocks``)
+        or 16 N                   (the reference path, ``block_elements`` N) ``BLOCK_COPIES`` float32
+                                  temporaries of a block of rows of logits (``kernels.row_blocks``)
 
     Neither path writes the (B, O, R, V) verifier logits whole: the Triton kernels score the
     drafts from hidden states in chunks, the reference a block of rows at a time, and the
@@ -121,7 +121,7 @@ def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int
     if block_elements is None:
         logits = FP32_BYTES * B * T * config.vocab_size
     else:
-        logits = 4 * FP32_BYTES * block_elements
+        logits = BLOCK_COPIES * FP32_BYTES * block_elements
     return keys + verify + logits
 
 

@@ -76,7 +76,7 @@ def test_sample_from_hidden_is_the_sample_of_the_head_s_logits(temperature, top_
     want, _ = ref.sample(logits, u, temperature, top_k)
     _assert_same_tokens(tokens, want, ref.log_probs(logits, temperature, top_k).exp(), u)
     full = ref.log_probs(logits, temperature, top_k).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(logp, full, rtol=0, atol=1e-4)
+    torch.testing.assert_close(logp, full, rtol=0, atol=1e-5)
 
 
 def test_sample_greedy_and_uniform_edges():
