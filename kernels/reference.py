@@ -79,13 +79,31 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: Optional[int
     is ``logits`` itself (x / 1 == x): not to be written in place."""
     out = logits if temperature == 1 else logits / temperature
     if top_k is not None and top_k < out.shape[-1]:
-        out = out.masked_fill(out < kth_largest(out, top_k)[..., None], float("-inf"))
+        out = torch.where(out < kth_largest(out, top_k)[..., None], float("-inf"), out)  # NaN kept, as masked_fill
     return out
 
 
+KTH_CHUNK = 64  # columns per chunk of kth_largest's prefilter
+
+
 def kth_largest(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(...,) k-th largest value of each (..., V) row, the top-k threshold (values equal to it are kept)."""
-    return logits.topk(top_k, dim=-1).values[..., -1]
+    """(...,) k-th largest value of each (..., V) row, the top-k threshold (values equal to it are kept).
+
+    Exactly ``logits.topk(top_k).values[..., -1]``, NaN counted as the largest value as in ``topk``. Rows of
+    at least ``8 * top_k`` whole chunks of ``KTH_CHUNK`` columns take a prefilter, and ``topk`` then reads the
+    k chunks with the largest maxima and the partial last chunk instead of the whole row. Why it is exact: let
+    m be the k-th largest chunk maximum and t the k-th largest value. k values are >= m, so m <= t. If t > m,
+    every value >= t lies in a chunk whose maximum exceeds m, and all such chunks are picked; if t == m, the k
+    picked maxima are values >= t. Either way the kept columns hold k values >= t, and no value above it.
+    """
+    V = logits.shape[-1]
+    G = V // KTH_CHUNK
+    if G < 8 * top_k:
+        return logits.topk(top_k, dim=-1).values[..., -1]
+    chunks = logits[..., : G * KTH_CHUNK].unflatten(-1, (G, KTH_CHUNK))  # (..., G, S), a view
+    picked = chunks.amax(-1).topk(top_k, dim=-1, sorted=False).indices  # (..., k)
+    kept = chunks.gather(-2, picked[..., None].expand(*picked.shape, KTH_CHUNK)).flatten(-2)  # (..., k * S)
+    return torch.cat([kept, logits[..., G * KTH_CHUNK:]], dim=-1).topk(top_k, dim=-1).values[..., -1]
 
 
 def log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) -> torch.Tensor:
@@ -96,13 +114,11 @@ def log_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int]) ->
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """(N, V) unnormalised probabilities and (N,) uniforms -> (N,) token ids."""
     cdf = probs.cumsum(-1)  # nondecreasing: probs >= 0
-    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    token = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # the first i with cdf[i] > target
-    V = probs.shape[-1]
-    exact = torch.float64 if probs.dtype == torch.float64 or V > 1 << 24 else torch.float32  # holds every index
-    index = torch.arange(V, device=probs.device, dtype=exact)
-    last_nonzero = probs.sign().to(exact).mul_(index).amax(-1).long()  # 0 if none; sign(NaN) is 0
-    return torch.minimum(token, last_nonzero)
+    total = cdf[:, -1:].contiguous()
+    target = uniforms.to(cdf.dtype)[:, None] * total  # <= total
+    token = torch.searchsorted(cdf, target, right=True)  # the first i with cdf[i] > target
+    last = torch.searchsorted(cdf, total)  # the first i with cdf[i] == total: the sum's last growth, or 0
+    return torch.minimum(token, last).squeeze(-1).clamp_max_(probs.shape[-1] - 1)  # the clamp: NaN rows
 
 
 def upcast(logits: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The sampler's references (``kernels/reference.py``) against the conventions they define, written out by hand:
-the inverse CDF with its clamp to the last token of nonzero probability, the log-probs of the processed
-distribution, and rows without a distribution."""
+the inverse CDF with its clamp to the last token where the running sum grows, the top-k threshold against
+``torch.topk``, the log-probs of the processed distribution, and rows without a distribution."""
 
 from __future__ import annotations
 
@@ -11,17 +11,20 @@ from sigmafast.kernels import reference as ref
 
 
 def _inverse_cdf_by_hand(probs: torch.Tensor, u: float) -> int:
-    """The first index whose running sum exceeds u * total, clamped to the last index of nonzero probability,
-    by a Python loop in float64."""
+    """The first index whose running sum exceeds u * total, clamped to the last index where the running sum
+    grows (the last nonzero probability when every sum is exact), by a Python loop in float64."""
     p = probs.double().tolist()
     total = sum(p)
+    running, last = 0.0, 0
+    for i, x in enumerate(p):
+        last = i if running + x > running else last
+        running += x
     running = 0.0
-    nonzero = [i for i, x in enumerate(p) if x > 0]
     for i, x in enumerate(p):
         running += x
         if running > u * total:
-            return min(i, nonzero[-1])
-    return nonzero[-1]
+            return min(i, last)
+    return last
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -46,6 +49,52 @@ def test_the_last_nonzero_index_is_exact_past_the_dtype_s_integers(V, last, dtyp
     probs[:, last] = 0.5
     got = ref.inverse_cdf(probs, torch.tensor([1.0, 0.9], dtype=torch.float64))
     assert got.tolist() == [last, last]
+
+
+def test_the_clamp_never_lands_on_a_probability_the_sum_absorbs():
+    """float32: 2^-30 after a mass of 1 leaves the running sum at 1, so no draw reaches that token; u = 1, whose
+    target is the total, takes the last token where the sum grew. Rows of zeros give token 0."""
+    probs = torch.tensor([[0.5, 0.5, 2.0**-30, 0.0], [0.0, 1.0, 2.0**-30, 2.0**-30], [0.0] * 4])
+    got = ref.inverse_cdf(probs, torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64))
+    assert got.tolist() == [1, 1, 0]
+
+
+def _rows_for_top_k(V: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(6, V, generator=g) * 3
+    if kind == "ties":  # few distinct values: ties across chunks and at the threshold
+        x = x.round()
+    elif kind == "sorted":  # the largest values crowded in the last chunks
+        x = x.sort(-1).values
+    elif kind == "nonfinite":
+        x[0, ::7] = float("nan")  # more NaN than k on some rows
+        x[1, 3] = float("nan")
+        x[2, -1] = float("inf")
+        x[3] = float("-inf")
+        x[4, : V // 2] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["random", "ties", "sorted", "nonfinite"])
+@pytest.mark.parametrize("V, top_k", [(64 * 8, 1), (64 * 40 + 37, 5), (64 * 400, 50), (50257, 6), (50257, 98),
+                                      (50257, 99), (65, 5), (1000, 200)],
+                         ids=lambda v: str(v))
+def test_kth_largest_is_topk_s_kth_value(V, top_k, kind, dtype):
+    """Exactly torch.topk's k-th value, with the prefilter (8 k chunks of 64 or more) and without, on ragged
+    widths, ties, sorted rows, NaN (the largest value for topk), +-inf; 3-d input too."""
+    g = torch.Generator().manual_seed(V + top_k)
+    x = _rows_for_top_k(V, kind, g).to(dtype)
+    want = x.topk(top_k, dim=-1).values[..., -1]
+    torch.testing.assert_close(ref.kth_largest(x, top_k), want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(ref.kth_largest(x.view(2, 3, V), top_k), want.view(2, 3), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_kth_largest_of_a_strided_view_and_of_no_rows():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(50257, 3, generator=g).t()  # columns of stride 3
+    torch.testing.assert_close(ref.kth_largest(x, 7), x.topk(7, -1).values[:, -1], rtol=0, atol=0)
+    assert ref.kth_largest(x[:0], 7).shape == (0,)
 
 
 def test_rows_without_a_distribution_stay_in_the_vocabulary_and_do_not_touch_the_others():
