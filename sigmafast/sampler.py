@@ -345,7 +345,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
                 engine.ar(session, plan, req.temperature, req.top_k)
             return engine
         for R in sorted({engine.r_bucket(r, T) for r in range(1, T + 1)}):
-            session = engine.start(req.canvas, req.known)
+            session = engine.start(req.canvas, (positions >= R).expand(B, T))  # R left: a burst's precondition
             for _ in range(2):
                 d = _padded(draw_burst(g, B, req.num_orders, T, device), session.batch_size)
                 engine.burst(session, d, R, req.temperature, req.top_k, req.acceptance)

@@ -202,7 +202,8 @@ def residual(session, verified: Verified, drafts: Drafts, along: Along, n: torch
 
 def burst_step(session, d: BurstDraws, R: int, temperature: float, top_k: Optional[int],
                rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One burst iteration over the whole batch, in place.
+    """One burst iteration over the whole batch, in place. ``R`` is at least every row's remaining count
+    (``generate`` takes it from the largest).
 
     Returns the committed counts (B,), the chosen orders' accepted draft lengths (B,) and
     ``status`` (3,) int64: the largest remaining count, the number of unfinished rows after it,

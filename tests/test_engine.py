@@ -199,6 +199,19 @@ def test_warmup_returns_an_engine_that_generate_takes(model, strategy):
     assert torch.equal(out[:, :3], idx)
 
 
+@pytest.mark.parametrize("acceptance", ["lossless", "paper"])
+def test_warmup_runs_every_burst_bucket_of_a_long_canvas(acceptance):
+    """T = 40: the R buckets 16, 32 and 40, each warmed on a session with R positions left (with more, the
+    lossless rule would commit R drafts and a residual token into R slots); generate then gives the model's
+    tokens."""
+    long_model = tiny_model(VOCAB, 40, seed=4, std=0.5, dtype=torch.float32)
+    idx = torch.randint(0, VOCAB, (3, 2), generator=torch.Generator().manual_seed(0))
+    engine = sigmafast.warmup(sigmafast.Engine(long_model, buckets=True), 3, 40, acceptance=acceptance)
+    out = sigmafast.generate(engine, idx, 38, acceptance=acceptance, generator=torch.Generator().manual_seed(1))
+    want = sigmafast.generate(long_model, idx, 38, acceptance=acceptance, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out, want)
+
+
 def test_engine_follows_replaced_weights(model):
     """Steps read the parameters in place; an engine whose model's tensors were replaced starts afresh."""
     clone = tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32)
