@@ -18,7 +18,7 @@ Every flag is a field of :class:`SampleArgs`. Three modes:
 
 A checkpoint trained with ``--objective diffusion`` samples with
 :func:`sigmafast.diffusion.generate` in ``--steps`` steps (``--temperature``,
-``--top-k``, ``--seed`` apply; the σ-GPT strategy flags are ignored).
+``--top-k``, ``--seed`` apply; the σ-GPT strategy flags are refused).
 
 ``--live`` redraws the canvas after every iteration (burst) or token
 (autoregressive) with the iteration count.
@@ -207,6 +207,13 @@ def run(args: SampleArgs) -> int:
     if sigmafast.diffusion.objective_of(model) == "diffusion":
         if args.live:
             raise ValueError("--live is not available for diffusion checkpoints")
+        sigma_flags = [flag for flag, value, default in (("--strategy", args.strategy, "burst"),
+                                                          ("--order", args.order, "random"),
+                                                          ("--acceptance", args.acceptance, "lossless"),
+                                                          ("--num-orders", args.num_orders, 1)) if value != default]
+        if sigma_flags:
+            raise ValueError(f"{', '.join(sigma_flags)}: σ-GPT sampling flags, and this checkpoint holds a diffusion "
+                             f"model (it samples in --steps steps): leave them out")
         out, stats = sigmafast.diffusion.generate(model, idx, steps=args.steps, temperature=args.temperature,
                                                   top_k=args.top_k, generator=generator, return_stats=True, **kwargs)
         return report(task, out, stats)

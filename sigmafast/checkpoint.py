@@ -281,7 +281,9 @@ def check_compatible(ckpt: dict, model_config: SigmaGPTConfig, task: dict, path,
         if ckpt["task"].get(k) != task.get(k):
             diffs.append(f"task {k}: checkpoint {ckpt['task'].get(k)!r}, now {task.get(k)!r}")
     if diffs:
-        raise ValueError(f"checkpoint {path} was written by another configuration: " + "; ".join(diffs))
+        raise ValueError(f"checkpoint {path} was written by another configuration: " + "; ".join(diffs) + ". A "
+                         "resumed run keeps its checkpoint's objective, architecture and task: leave those flags "
+                         "out, or start a new run (--overwrite, or another --out-dir)")
 
 
 def rng_state(device: torch.device) -> dict:

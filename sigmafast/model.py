@@ -170,6 +170,16 @@ class SublayerEnds:
         return (*add_norm(x, mlp(h), norm), None)
 
 
+def check_ids(name: str, ids: torch.Tensor, low: int, high: int, note: str = "") -> None:
+    """``ValueError`` naming ``name`` when an id of ``ids`` lies outside [low, high). Checked on the CPU only,
+    and not while compiling: on a GPU it would be a host sync in every step (there the embedding's
+    own device-side assert stops an id out of range)."""
+    if ids.device.type != "cpu" or ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    bad = (ids < low) | (ids >= high)
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be in [{low}, {high}){' ' + note if note else ''}, got {int(ids[bad][0])}")
+
 class SigmaGPT(nn.Module):
     def __init__(self, config: SigmaGPTConfig) -> None:
         super().__init__()
@@ -330,6 +340,9 @@ class SigmaGPT(nn.Module):
         T = tokens.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        check_ids("tokens", tokens, 0, self.config.vocab_size)
+        for name, t in (("in_pos", in_pos), ("out_pos", out_pos)):
+            check_ids(name, t, 0, self.config.block_size + 1)  # + the START position
 
     def hidden_states(self, tokens: torch.Tensor, in_pos: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
         """(B, T) tokens, in_pos, out_pos -> (B, T, C) final hidden states (after ``ln_f``)."""
@@ -377,9 +390,10 @@ class SigmaGPT(nn.Module):
                                  f"{tuple(targets.shape)}") from None
         return linear_cross_entropy(hidden, self.lm_head.weight, targets, row_weight=weight)
 
-    @staticmethod
-    def _check_targets(targets: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _check_targets(self, targets: torch.Tensor, tokens: torch.Tensor) -> None:
+        vocab_size = self.config.vocab_size
         if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
             raise TypeError(f"targets must be an int64 torch.Tensor, got {getattr(targets, 'dtype', type(targets))}")
         if targets.shape != tokens.shape:
             raise ValueError(f"targets must have shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+        check_ids("targets", targets, -1, vocab_size, "(-1 ignored)")

@@ -227,7 +227,8 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         raise ValueError(f"canvas length {T} exceeds the model's block_size {block_size}")
     bad = known & ((canvas < 0) | (canvas >= vocab_size))
     if bool(bad.any()):
-        raise ValueError(f"idx's known tokens must be ids in [0, vocab_size={vocab_size})")
+        raise ValueError(f"idx must hold token ids in [0, vocab_size={vocab_size}) where it is known (a prompt, "
+                         f"or known == True), got {int(canvas[bad][0])}")
     check_temperature(temperature)
     if top_k is not None:
         top_k = check_int("top_k", top_k, 1)

@@ -141,10 +141,8 @@ class _Trainer:
         given = user_cfg.explicit_fields()
         ckpt = read_resumed(user_cfg) if user_cfg.resume else None
         self.explicit = given - RUN_FIELDS
+        changed = changed_fields(user_cfg, ckpt) if ckpt is not None else []
         if ckpt is not None:  # the fields left unset continue the stored run
-            changed = changed_fields(user_cfg, ckpt)
-            if changed and layout.is_main:
-                log.warning("resuming with changed settings (%s): the run goes on with them", "; ".join(changed))
             user_cfg, self.explicit = resumed_config(user_cfg, ckpt)
         task_kwargs = user_cfg.task_kwargs()
         check_task_flags(user_cfg.task, task_kwargs)
@@ -156,17 +154,19 @@ class _Trainer:
         data = {} if cfg.data_dir is None else {"data_dir": cfg.data_dir}  # a default folder too, made absolute
         self.task_info = task_record(self.task, {**task_kwargs, **data})
         self.model_config = build_model_config(cfg, self.task)
-        estimate = check_memory(cfg, self.model_config, self.task.seq_len, self.device)
-        self._info("estimated peak memory %.2f GiB per process", estimate / GIB)
         self.path = checkpoint_path(cfg.out_dir)
-        if layout.is_main:  # fail now, not at the first checkpoint after minutes of training
-            claim_out_dir(cfg, held, locked)
         diffusion_config = cfg.diffusion_config()
         if ckpt is not None:
             stored = stored_objective(ckpt)[1]
             if diffusion_config is not None and stored is not None and stored.noise == diffusion_config.noise:
                 diffusion_config = stored  # its parameterization too, which no flag sets ("plain" before the field)
             check_compatible(ckpt, self.model_config, self.task_info, self.path, cfg.objective, diffusion_config)
+            if changed and layout.is_main:
+                log.warning("resuming with changed settings (%s): the run goes on with them", "; ".join(changed))
+        estimate = check_memory(cfg, self.model_config, self.task.seq_len, self.device)
+        self._info("estimated peak memory %.2f GiB per process", estimate / GIB)
+        if layout.is_main:  # fail now, not at the first checkpoint after minutes of training
+            claim_out_dir(cfg, held, locked)
 
         use_bf16 = cfg.dtype == "bfloat16" or (
             cfg.dtype == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()

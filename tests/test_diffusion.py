@@ -198,6 +198,11 @@ def test_chunked_loss_rejects_bad_targets():
         model(x_t.double(), t)
     with pytest.raises(ValueError, match=r"x_t must have shape \(B, T\), got \(8,\)"):
         model(x_t.view(-1), t)
+    V = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"^x_t must be in \[0, {V}\), got {V}$"):
+        model.loss(x_t, x_t + V, t)
+    with pytest.raises(ValueError, match=rf"^x0 must be in \[-1, {V}\) \(-1 ignored\), got -3$"):
+        model.loss(x_t - 3, x_t, t)
 
 
 def test_diffusion_config_parameterization():
@@ -278,6 +283,10 @@ def test_prompt_mode_reproducibility_and_greedy(noise):
     assert torch.equal(outs[0], outs[1])
     other = diffusion.generate(model, prompt, 5, steps=4, generator=torch.Generator().manual_seed(8))
     assert not torch.equal(outs[0], other)
+    positional = diffusion.generate(model, prompt, 5, 0.7, 2, steps=4, generator=torch.Generator().manual_seed(7))
+    keyword = diffusion.generate(model, prompt, 5, steps=4, generator=torch.Generator().manual_seed(7),
+                                 temperature=0.7, top_k=2)  # sigmafast.generate's positional order
+    assert torch.equal(positional, keyword)
 
 
 @pytest.mark.parametrize("noise", NOISES)

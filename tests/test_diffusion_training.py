@@ -132,3 +132,19 @@ def test_trained_model_reproduces_the_product_ones_rate(tmp_path, noise):
     rates = (out == 1).double().mean(1)  # (N,) per-row ones-rate
     half_width = 3.29 * rates.std() / math.sqrt(N)
     assert abs(rates.mean() - 0.1) < half_width, (rates.mean(), half_width)
+
+
+def test_sample_script_on_a_diffusion_checkpoint_refuses_the_sigma_flags(tmp_path, capsys):
+    """The σ-GPT strategy flags would change nothing: one line naming them; the defaults and --steps sample."""
+    from helpers import sample_script
+
+    train(diffusion_cfg(tmp_path, max_iters=1, num_eval_samples=0))
+    ckpt = ["--checkpoint", str(tmp_path / "ckpt.pt")]
+    for flags, named in [(["--strategy", "autoregressive"], "--strategy"), (["--order", "left-to-right"], "--order"),
+                         (["--acceptance", "paper", "--num-orders", "3"], "--acceptance, --num-orders"),
+                         (["--live"], "--live")]:
+        assert sample_script().main(ckpt + flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
+    assert sample_script().main(ckpt + ["--steps", "3", "--strategy", "burst"]) == 0
+    assert "forward calls: 3" in capsys.readouterr().out

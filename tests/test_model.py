@@ -285,11 +285,23 @@ def test_input_validation(model):
         model(long, long, long)
     with pytest.raises(ValueError, match="targets must have shape"):
         model(tokens, in_pos, out_pos, targets[:1])
+    V, n_pos = model.config.vocab_size, model.config.block_size + 1
     for bad in (out_pos - 1 - out_pos.max(), out_pos + 1000):  # negative, past the tables: never wrapped
-        with pytest.raises(IndexError, match="index out of range"):
-            model(tokens, in_pos, bad)
-        with pytest.raises(IndexError, match="index out of range"):
-            model(tokens, bad, out_pos)
+        got = "-[0-9]+" if int(bad.min()) < 0 else "[0-9]{4}"  # one of them
+        for args, name in (((tokens, in_pos, bad), "out_pos"), ((tokens, bad, out_pos), "in_pos")):
+            for call in (model, model.hidden_states, lambda *a: model.loss(*a, targets)):
+                with pytest.raises(ValueError, match=rf"^{name} must be in \[0, {n_pos}\), got {got}$"):
+                    call(*args)
+    bad_tokens = tokens.clone()
+    bad_tokens[1, 2] = V
+    with pytest.raises(ValueError, match=rf"^tokens must be in \[0, {V}\), got {V}$"):
+        model(bad_tokens, in_pos, out_pos)
+    for value in (-2, V):
+        bad_targets = targets.clone()
+        bad_targets[0, -1] = value
+        for call in (model, model.loss):
+            with pytest.raises(ValueError, match=rf"^targets must be in \[-1, {V}\) \(-1 ignored\), got {value}$"):
+                call(tokens, in_pos, out_pos, bad_targets)
 
 
 @pytest.mark.parametrize(

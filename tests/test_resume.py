@@ -307,12 +307,17 @@ def test_resume_with_another_preset_is_an_error(tmp_path, capsys):
     assert ckpt["iter"] == 3 and ckpt["train_config"]["preset"] == "tiny"
 
 
-def test_resume_may_change_dropout(tmp_path):
-    """Dropout changes no weight: --resume accepts another value and the model trains on with it."""
+def test_resume_may_change_dropout(tmp_path, caplog):
+    """Dropout changes no weight: --resume accepts another value and the model trains on with it. Another
+    depth is refused, before any word that the run goes on with it."""
     train(small_cfg(tmp_path, max_iters=2, dropout=0.0))
     result = train(small_cfg(tmp_path, max_iters=3, dropout=0.2, resume=True))
     assert result.model.config.dropout == 0.2
     ckpt = read_checkpoint(tmp_path / "ckpt.pt")
     assert ckpt["iter"] == 3 and ckpt["model_config"]["dropout"] == 0.2 and ckpt["train_config"]["dropout"] == 0.2
-    with pytest.raises(ValueError, match="another configuration: n_layer: checkpoint 1, now 3$"):
+    caplog.set_level(logging.INFO, logger="sigmafast.train")
+    caplog.clear()
+    with pytest.raises(ValueError, match=r"another configuration: n_layer: checkpoint 1, now 3\. A resumed run keeps "
+                                         r"its checkpoint's objective, architecture and task: leave those flags out"):
         train(small_cfg(tmp_path, max_iters=4, dropout=0.1, n_layer=3, resume=True))  # the weights must match
+    assert not any("changed settings" in r.getMessage() or "peak memory" in r.getMessage() for r in caplog.records)

@@ -97,7 +97,8 @@ def test_density_and_likelihood_name_their_bad_arguments(model):
     x = torch.zeros(1, T, dtype=torch.long)
     with pytest.raises(TypeError, match="known must be a"):
         sigmafast.conditional_density(model, x, None)
-    with pytest.raises(ValueError, match=r"idx's known tokens must be ids in \[0, vocab_size"):
+    with pytest.raises(ValueError, match=rf"idx must hold token ids in \[0, vocab_size={VOCAB}\) where it is known "
+                                         rf".*got {VOCAB}$"):
         sigmafast.log_likelihood(model, x + VOCAB, "left-to-right")
     with pytest.raises(TypeError, match="order must be an integer tensor"):
         sigmafast.log_likelihood(model, x, torch.zeros(1, T))

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model import SigmaGPT
+from ..model import SigmaGPT, check_ids
 from ..model_config import SigmaGPTConfig, known_fields
 from ..loss import linear_cross_entropy
 from .noise import NOISES, add_uniform_log_likelihood, loss_weights
@@ -143,6 +143,7 @@ class DiffusionGPT(nn.Module):
             raise TypeError(f"x0 must be an int64 torch.Tensor, got {getattr(x0, 'dtype', type(x0).__name__)}")
         if x0.shape != x_t.shape:
             raise ValueError(f"x0 must have the shape of x_t {tuple(x_t.shape)}, got {tuple(x0.shape)}")
+        check_ids("x0", x0, -1, self.config.vocab_size, "(-1 ignored)")
         hidden = self.hidden_states(x_t, t)  # (B, T, C)
         t_rows = t[:, None].expand(x_t.shape)  # (B, T)
         weight = loss_weights(x_t, t, self.noise, self.mask_id)
@@ -161,6 +162,7 @@ class DiffusionGPT(nn.Module):
         B, T = x_t.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        check_ids("x_t", x_t, 0, self.config.vocab_size)
         pos = torch.arange(T, device=x_t.device).expand(B, T)
         x = self.backbone.embed(x_t, pos, pos) + self.time_embed(t)[:, None, :]  # (B, T, C)
         return self.backbone.run_layers(x, self.attend, self.backbone.rotary(pos, pos))  # (B, T, C)

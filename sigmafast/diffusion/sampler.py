@@ -92,10 +92,11 @@ def _uniform_step(model, x, known, k: int, steps: int, t, req, flag):
     return new, (new != x).sum(1)
 
 
-def generate(model, idx: torch.Tensor, max_new_tokens: Optional[int] = None, *, steps: Optional[int] = None,
-             known: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
-             temperature: float = 1.0, top_k: Optional[int] = None, return_stats: bool = False):
-    """Sample the unknown positions of a canvas in ``steps`` model calls; returns (B, T) [and stats].
+def generate(model, idx: torch.Tensor, max_new_tokens: Optional[int] = None, temperature: float = 1.0,
+             top_k: Optional[int] = None, *, steps: Optional[int] = None, known: Optional[torch.Tensor] = None,
+             generator: Optional[torch.Generator] = None, return_stats: bool = False):
+    """Sample the unknown positions of a canvas in ``steps`` model calls; returns (B, T) [and stats]. The
+    arguments before ``steps`` are :func:`sigmafast.generate`'s (nanoGPT's), positional too.
 
     - Prompt: ``idx`` (B, P) at positions 0..P-1 plus ``max_new_tokens`` -> (B, P + max_new_tokens).
     - Infilling: ``idx`` (B, T) canvas and ``known`` (B, T) bool; known tokens are returned unchanged.
