@@ -26,7 +26,9 @@ nonzero probability. Clamp: the chunk is the first whose prefix sum exceeds the
 target, or else the last chunk of nonzero mass; inside it the token is the first
 crossing, or else the chunk's last nonzero index. A chunk mass is positive
 exactly when one of its probabilities is (the same exponentials), so this is the
-reference's global ``min(first crossing, last nonzero)``. The sums are
+reference's global ``min(first crossing, last nonzero)`` (the reference clamps to
+the last index where its running sum grows: the last nonzero one, unless the sum
+absorbs later probabilities, which no draw below the total reaches). The sums are
 associated differently from the reference's sequential cumsum (chunk sums,
 then a prefix over chunks): as before, tokens can differ from the reference
 only when ``u * total`` is within a few float ulps of a CDF boundary (a chunk
