@@ -151,10 +151,11 @@ def check_seed(name: str, seed: int) -> int:
     return seed
 
 
-def check_burst_memory(model, req: Request) -> None:
+def check_burst_memory(model, req: Request, rows: Optional[int] = None) -> None:
     """A ``ValueError`` naming ``num_orders`` before a σ-GPT's burst iterations that cannot fit in memory (for
-    ``req.strategy == "burst"``; nothing for an oracle or autoregressive sampling). The burst samplers call it
-    after :func:`prepare`; the other users of ``prepare`` (density, diffusion) run no burst."""
+    ``req.strategy == "burst"``; nothing for an oracle or autoregressive sampling). ``rows``: the batch the
+    session allocates (an engine's batch bucket), the request's by default. The burst samplers call it after
+    :func:`prepare`; the other users of ``prepare`` (density, diffusion) run no burst."""
     if req.strategy != "burst" or not is_sigma_gpt(model):
         return
     from .kernels import backend_for, row_blocks
@@ -162,6 +163,7 @@ def check_burst_memory(model, req: Request) -> None:
 
     param = next(model.parameters())
     B, T = req.canvas.shape
+    B = B if rows is None else rows
     blocks = None if backend_for(param) == "triton" else row_blocks.block_elements(param.device)
     check_sampling_memory(model.config, B, req.num_orders, T, param.device, param.element_size(),
                           block_elements=blocks)

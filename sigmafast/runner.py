@@ -22,6 +22,7 @@ batch. :func:`warmup` captures every step a call will need ahead of time.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -39,16 +40,27 @@ RECOMPILE_LIMIT = 64  # compiled shapes per step function: R buckets x batch buc
 
 def _compile_step(fn: Callable, backend: str) -> Callable:
     """``fn`` through ``torch.compile(fullgraph=True, dynamic=False)``. Every static shape (R bucket, batch
-    bucket, orders, sampling settings) is one recompilation of the same function, more than dynamo's
+    bucket, orders, sampling settings, model) is one recompilation of the same function, more than dynamo's
     default limit of 8 (a burst over T = 768 alone has 7 R buckets), so calls raise the limit to
-    ``RECOMPILE_LIMIT``."""
+    ``RECOMPILE_LIMIT``. Dynamo counts them per function, over every engine of the process: past the limit,
+    a new shape runs ``fn`` eagerly (the same values), with a ``RuntimeWarning`` the first time."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    limit_hit = tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                      if hasattr(torch._dynamo.exc, n))
+    warned = []
 
     def call(*args):
-        with config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)}):
-            return compiled(*args)
+        try:
+            with config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)}):
+                return compiled(*args)
+        except limit_hit:  # raised before the step runs: nothing was written
+            if not warned:
+                warned.append(True)
+                warnings.warn(f"compile_steps: {fn.__name__} was compiled for {RECOMPILE_LIMIT} shapes and "
+                              f"settings in this process; new ones run eagerly", RuntimeWarning, stacklevel=2)
+            return fn(*args)
     return call
 
 
@@ -71,6 +83,10 @@ class EagerRunner:
 
     def r_bucket(self, remaining: int, seq_len: int) -> int:
         return steps.bucket(remaining, seq_len) if self.buckets else remaining
+
+    def session_rows(self, batch_size: int) -> int:
+        """The rows a session of ``batch_size`` rows allocates (its batch bucket)."""
+        return batch_bucket(batch_size) if self.buckets else batch_size
 
     def static(self, session, kind: str, tensors: tuple) -> tuple:
         """The tensors a step reads, as the session's static buffers when steps are captured."""
@@ -308,7 +324,7 @@ class Engine(EagerRunner):
                 self._scoring.clear()
             self._params = self._fingerprint()
         B, T = canvas.shape
-        size = batch_bucket(B) if self.buckets else B
+        size = self.session_rows(B)
         backend = self.backend
         if self.cuda_graphs:
             session = self._sessions.pop((backend, size, T), None)

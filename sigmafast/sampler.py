@@ -131,10 +131,10 @@ def generate(
     target = unwrap_model(model)
     req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
-    check_burst_memory(target, req)
+    runner = runner_for(model)
+    check_burst_memory(target, req, runner.session_rows(req.canvas.shape[0]))
     check_callback(on_iteration)
     t0 = time.perf_counter()
-    runner = runner_for(model)
     canvas, known_now = req.canvas.clone(), req.known.clone()
     autoregressive = req.strategy == "autoregressive"
     n_known = known_now.sum(1)
@@ -326,7 +326,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,
                   num_orders=num_orders, acceptance=acceptance)
-    check_burst_memory(target, req)
+    check_burst_memory(target, req, engine.session_rows(batch_size))
     if seq_len == 0 or not engine.buckets:  # exact shapes: every call has its own; nothing to prepare
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -341,7 +341,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
             plan = ar_plan(positions.expand(B, T), draw(g, (B, T), device),
                            torch.zeros(B, dtype=torch.long, device=device))
             plan = engine.static(session, "ar", _pad_plan(plan, session.batch_size))
-            for _ in range(2):  # eager (compiles), then captured
+            for _ in range(min(2, T)):  # eager (compiles), then captured; a plan has T steps
                 engine.ar(session, plan, req.temperature, req.top_k)
             return engine
         for R in sorted({engine.r_bucket(r, T) for r in range(1, T + 1)}):

@@ -199,6 +199,16 @@ def test_warmup_returns_an_engine_that_generate_takes(model, strategy):
     assert torch.equal(out[:, :3], idx)
 
 
+def test_warmup_of_one_token_runs_its_one_autoregressive_step(model):
+    """A plan of T = 1 has one step: the warm-up runs that one (the capture comes with generate's next)."""
+    engine = sigmafast.warmup(sigmafast.Engine(model, buckets=True), 2, 1, strategy="autoregressive")
+    out = sigmafast.generate(engine, torch.zeros(2, 0, dtype=torch.long), 1, strategy="autoregressive",
+                             generator=torch.Generator().manual_seed(0))
+    want = sigmafast.generate(model, torch.zeros(2, 0, dtype=torch.long), 1, strategy="autoregressive",
+                              generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("acceptance", ["lossless", "paper"])
 def test_warmup_runs_every_burst_bucket_of_a_long_canvas(acceptance):
     """T = 40: the R buckets 16, 32 and 40, each warmed on a session with R positions left (with more, the

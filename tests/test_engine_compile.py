@@ -110,3 +110,24 @@ def test_compiled_steps_take_more_shapes_than_dynamos_default_limit(model):
         got = sigmafast.generate(compiled, idx, T - 2, generator=torch.Generator().manual_seed(i), **kwargs)
         want = sigmafast.generate(model, idx, T - 2, generator=torch.Generator().manual_seed(i), **kwargs)
         assert torch.equal(got, want), i
+
+
+def test_compiled_steps_run_eagerly_past_the_recompile_limit(model, monkeypatch):
+    """Past RECOMPILE_LIMIT shapes (here 2, and dynamo's own limit 2) a fullgraph compile would raise: new
+    settings run the step eagerly, with one RuntimeWarning, and still give the eager tokens."""
+    from sigmafast import runner
+
+    config = torch._dynamo.config
+    monkeypatch.setattr(runner, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 2)
+    idx = torch.zeros(1, 2, dtype=torch.long)
+    torch._dynamo.reset()
+    compiled = sigmafast.Engine(model, buckets=True, compile_steps="eager")
+    with pytest.warns(RuntimeWarning, match="compile_steps: burst_step was compiled for 2 shapes") as record:
+        for i in range(5):
+            kwargs = dict(strategy="burst", acceptance="lossless", temperature=0.5 + 0.1 * i)
+            got = sigmafast.generate(compiled, idx, T - 2, generator=torch.Generator().manual_seed(i), **kwargs)
+            want = sigmafast.generate(model, idx, T - 2, generator=torch.Generator().manual_seed(i), **kwargs)
+            assert torch.equal(got, want), i
+    assert len([w for w in record if "compile_steps" in str(w.message)]) == 1
+    torch._dynamo.reset()

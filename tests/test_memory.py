@@ -128,3 +128,23 @@ def test_only_burst_sampling_checks_the_burst_memory(monkeypatch):
     assert conditional_density(model, torch.zeros(2, 6, dtype=torch.long), known).shape == (2, 6, 7)
     noised = DiffusionGPT(config, DiffusionConfig(noise="absorbing")).eval()
     assert diffusion.generate(noised, empty, 6).shape == (2, 6)
+
+
+def test_the_burst_memory_check_counts_the_engine_s_batch_bucket(monkeypatch):
+    """An engine with buckets allocates the next power of two of the batch: 9 rows are checked as 16."""
+    import sigmafast
+    import sigmafast.memory
+
+    checked = []
+
+    def record(config, batch_size, *args, **kwargs):
+        checked.append(batch_size)
+        return 0
+
+    monkeypatch.setattr(sigmafast.memory, "check_sampling_memory", record)
+    model = SigmaGPT(SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=2, n_embd=16)).eval()
+    empty = torch.zeros(9, 0, dtype=torch.long)
+    sigmafast.generate(model, empty, 6)
+    sigmafast.generate(sigmafast.Engine(model, buckets=True), empty, 6)
+    sigmafast.warmup(sigmafast.Engine(model, buckets=True), 9, 6)
+    assert checked == [9, 16, 16]
