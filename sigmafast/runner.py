@@ -191,7 +191,7 @@ class Engine(EagerRunner):
     ``torch.compile`` backend name, e.g. "inductor") compiles the step functions
     with ``fullgraph=True`` first, fusing their small ops; it costs a compilation
     per shape (one for autoregressive sampling, one per R bucket for burst; up to
-    ``RECOMPILE_LIMIT`` per step function). ``lookahead=True`` (opt-in, with
+    ``RECOMPILE_LIMIT`` per step function and process, then eagerly). ``lookahead=True`` (opt-in, with
     buckets) queues each burst iteration before reading the previous one's
     status, with an R bucket bounded one iteration late: the GPU never waits for
     the host, at the cost of an occasional larger bucket and one surplus
