@@ -70,11 +70,13 @@ _REF = checks.REFERENCE_DTYPES
 
 def _resolve(backend: Optional[str], t: torch.Tensor) -> str:
     """An explicit ``backend`` as is (the environment is read outside traced code only), else
-    :func:`backend_for`."""
+    :func:`backend_for`. Not a tensor: the reference, whose argument checks name it."""
+    if backend is not None and backend not in ("triton", "reference"):
+        raise ValueError(f"backend must be None, 'triton' or 'reference', got {backend!r}")
+    if not isinstance(t, torch.Tensor):
+        return "reference"
     if backend is None:
         return backend_for(t)
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"backend must be None, 'triton' or 'reference', got {backend!r}")
     if backend == "triton" and not torch.compiler.is_compiling():
         check_triton_device(t, "backend='triton'")
     return backend
@@ -158,6 +160,8 @@ def acceptance_from_hidden(
         extra = {} if scoring is None else {"scoring": scoring}
         return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
                   vocab_size=vocab_size, flag=flag, **extra)
+    if scoring is not None and scoring not in checks.SCORINGS:  # the Triton path's choice, checked alike
+        raise ValueError(f"scoring must be one of {checks.SCORINGS}, got {scoring!r}")
     V = checks.check_hidden(hidden, weight, vocab_size, _REF)
     checks.check_scoring(hidden.shape[:3], hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k,
                          rule)
@@ -188,6 +192,7 @@ def sample_from_hidden(hidden, weight, uniforms, temperature=1.0, top_k=None, *,
     (``row_blocks``), never all at once; the Triton path writes them whole and runs the sampling kernel."""
     V = checks.check_hidden(hidden, weight, vocab_size, _REF, ndim=2)
     if _resolve(backend, hidden) == "triton":
+        checks.check_float("hidden", hidden, 2)  # the sampling kernel's dtypes, named after this argument
         logits = torch.nn.functional.linear(hidden, weight)[:, :V]
         return sample(logits, uniforms, temperature, top_k, used=used, flag=flag, backend="triton")
     checks.check_sampling(hidden, uniforms, temperature, top_k, name="hidden", dtypes=_REF)

@@ -105,6 +105,8 @@ def check_attention(q, k, v, k_cache, v_cache, cache_lens, ndim: int, dtypes: tu
         )
     if (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) != (B, H, D):
         raise ValueError(f"k_cache must have shape (B={B}, H={H}, L, D={D}), got {tuple(k_cache.shape)}")
+    if D == 0:
+        raise ValueError(f"q must have a nonempty head dim D, got shape {tuple(q.shape)}")
     if max_head_dim is not None and D > max_head_dim:
         raise ValueError(f"head dim D={D} is over the supported maximum {max_head_dim}")
     check_int("cache_lens", cache_lens, (B,), q.device)
@@ -191,9 +193,10 @@ def check_scoring(shape, device, drafts, draft_logp, uniforms, lengths, temperat
             raise ValueError(f"{name} must be a tensor of shape {(B, O, R)} on {device}, got {got!r:.80}")
     if not draft_logp.is_floating_point() or not uniforms.is_floating_point():
         raise ValueError(f"draft_logp and uniforms must be float tensors, got {draft_logp.dtype} and {uniforms.dtype}")
-    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,) or lengths.is_floating_point():
-        got = getattr(lengths, "shape", lengths)
-        raise ValueError(f"lengths must be an int tensor of shape ({B},), got {got!r:.80}")
+    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,) \
+            or lengths.dtype not in (torch.int32, torch.int64):
+        got = f"{lengths.dtype} {tuple(lengths.shape)}" if isinstance(lengths, torch.Tensor) else f"{lengths!r:.80}"
+        raise ValueError(f"lengths must be an int32 or int64 tensor of shape ({B},), got {got}")
     if lengths.device != device:
         raise ValueError(f"lengths must be on {device}, got {lengths.device}")
     check_temperature(temperature)

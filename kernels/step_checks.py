@@ -182,6 +182,8 @@ def check_feed_embedding(last_tok, last_pos, tokens, orders, wte, pe_in, pe_out,
     if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
         raise ValueError(f"orders must be a (B, G, S) tensor, got {getattr(orders, 'shape', type(orders).__name__)}")
     B, G, S = orders.shape
+    if S == 0:
+        raise ValueError(f"orders must have at least one step per group (B, G, S >= 1), got {tuple(orders.shape)}")
     device = orders.device
     _check_index("orders", orders, (B, G, S), device)
     if B * G * S >= 2**31:
@@ -267,6 +269,8 @@ def check_commit(orders, choice, n, tokens, keys, values, canvas, known, last_to
     if not isinstance(orders, torch.Tensor) or orders.ndim != 3:
         raise ValueError(f"orders must be a (B, O, R) tensor, got {getattr(orders, 'shape', type(orders))}")
     B, O, R = orders.shape
+    if R == 0:
+        raise ValueError(f"orders must have at least one slot (B, O, R >= 1), got {tuple(orders.shape)}")
     device = orders.device
     tokens_shape = (B, O, R) if isinstance(tokens, torch.Tensor) and tokens.ndim == 3 else (B, R)
     for name, t, shape in (("orders", orders, (B, O, R)), ("choice", choice, (B,)), ("n", n, (B,)),

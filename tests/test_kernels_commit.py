@@ -233,6 +233,7 @@ def test_commit_writes_the_chosen_rows_where_the_reference_says():
     (dict(last_pos=torch.zeros(2, dtype=torch.int32)), "last_pos must be int64"),
     (dict(canvas=torch.zeros(2, 18, dtype=torch.long)[:, ::2]), r"canvas must have unit stride along T"),
     (dict(known=torch.zeros(2, 18, dtype=torch.bool)[:, ::2]), r"known must have unit stride along T"),
+    (dict(orders=torch.zeros(2, 2, 0, dtype=torch.long)), r"orders must have at least one slot"),
     (dict(last_tok=torch.zeros(2, 2, dtype=torch.long)[:, 1]), "last_tok must be contiguous"),
     (dict(lens=torch.zeros(2, 2, dtype=torch.long)[:, 0]), "lens must be contiguous"),
     (dict(flag=torch.zeros((), dtype=torch.bool)), "flag and status must be given together"),

@@ -127,6 +127,7 @@ def _bad_args(**bad):
 @pytest.mark.parametrize("bad,err,match", [
     (dict(orders=torch.zeros(2, 3, dtype=torch.long)), ValueError, "orders must be a \\(B, G, S\\)"),
     (dict(orders=torch.zeros(2, 3, 5)), TypeError, "orders must be an int64 or int32"),
+    (dict(orders=torch.zeros(2, 3, 0, dtype=torch.long)), ValueError, "orders must have at least one step"),
     (dict(last_tok=torch.zeros(3, dtype=torch.long)), ValueError, "last_tok must have shape \\(2,\\)"),
     (dict(tokens=None), ValueError, "tokens may be None only"),
     (dict(tokens=torch.zeros(2, 3, 4, dtype=torch.long)), ValueError, "tokens must have shape"),
