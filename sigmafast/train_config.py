@@ -194,7 +194,7 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 setattr(self, name, os.path.abspath(getattr(self, name)))
         if self.resume and self.overwrite:
-            raise ValueError("TrainConfig.resume and overwrite exclude each other: continue the run, or start anew")
+            raise ValueError("TrainConfig.resume and TrainConfig.overwrite exclude each other: continue the run, or start anew")
         if self.preset is None:
             self.preset = default_preset(self.task)
         _check_choice("preset", self.preset, tuple(PRESETS))
@@ -359,8 +359,8 @@ def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict,
     (fields an older checkpoint lacks already at their defaults). The architecture comes from the model that
     was built; training fields the checkpoint lacks take their values from before any recipe
     (:data:`_BASE_DEFAULTS`), else their defaults. A derived field (``lr_decay_iters``, ``curriculum_iters``,
-    ``min_lr``, ``grad_accum``) whose source the user sets is derived again, unless it is in ``stored_explicit`` (the
-    fields the stored run was given explicitly).
+    ``min_lr``, ``grad_accum``) whose source the user sets to another value is derived again, unless it is in
+    ``stored_explicit`` (the fields the stored run was given explicitly).
     """
     given = cfg.explicit_fields() | RUN_FIELDS
     stored = {**_BASE_DEFAULTS, **{k: v for k, v in stored_train.items() if v is not None}}
@@ -369,8 +369,9 @@ def resume_config(cfg: TrainConfig, stored_train: dict, stored_model: dict,
         stored.pop("preset", None)
     values = {name: value for name, value in cfg.to_dict().items() if name in given}
     values.update({name: value for name, value in stored.items() if name not in given and name in _FIELDS})
-    for derived, source in _DERIVED:
-        if derived not in given and derived not in stored_explicit and source in given:
+    for derived, source in _DERIVED:  # derived again from a source given another value than the run's
+        if derived not in given and derived not in stored_explicit and source in given \
+                and values[source] != stored.get(source):
             values[derived] = None
     return TrainConfig(**values)
 
@@ -404,6 +405,7 @@ def resolve(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
     if resolved.grad_accum % world_size != 0:
         raise ValueError(
             f"TrainConfig.grad_accum ({resolved.grad_accum}) must be divisible by the number of DDP ranks "
-            f"({world_size}): gradient accumulation is split across ranks"
+            f"({world_size}): gradient accumulation is split across ranks; pass TrainConfig.grad_accum as a "
+            f"multiple of {world_size}"
         )
     return resolved

@@ -29,7 +29,7 @@ def test_run_without_resume_refuses_an_out_dir_with_a_checkpoint(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out-dir '{tmp_path}' already holds a checkpoint") and err.count("\n") == 1
     assert (tmp_path / "ckpt.pt").read_bytes() == before
-    with pytest.raises(ValueError, match="TrainConfig.resume and overwrite exclude each other"):
+    with pytest.raises(ValueError, match="TrainConfig.resume and TrainConfig.overwrite exclude each other"):
         small_cfg(tmp_path, resume=True, overwrite=True)
     train(small_cfg(tmp_path, max_iters=3, seed=7, overwrite=True))
     assert read_checkpoint(tmp_path / "ckpt.pt")["train_config"]["seed"] == 7
@@ -144,3 +144,17 @@ def test_a_save_removes_the_temporary_files_of_killed_saves_only(tmp_path):
         path.write_bytes(b"partial")
     atomic_save({"v": 1}, tmp_path / "ckpt.pt")
     assert not stale.exists() and all(path.exists() for path in kept)
+
+
+def test_a_source_given_again_at_its_value_keeps_its_derived_field(tmp_path):
+    """The permutation recipe's min_lr is lr / 100: --lr given again at the run's value on resume leaves it;
+    another --lr derives it again (lr / 10)."""
+    train(small_cfg(tmp_path, max_iters=2))
+    stored = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
+    assert stored["min_lr"] != stored["lr"] / 10  # the recipe's, not the default derivation
+    train(small_cfg(tmp_path, max_iters=3, lr=stored["lr"], resume=True))
+    now = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
+    assert (now["lr"], now["min_lr"]) == (stored["lr"], stored["min_lr"])
+    train(small_cfg(tmp_path, max_iters=4, lr=2 * stored["lr"], resume=True))
+    now = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
+    assert now["min_lr"] == 2 * stored["lr"] / 10

@@ -67,6 +67,12 @@ def test_missing_token_files_name_the_prepare_command(name, source_flag, tmp_pat
     assert not data_dir.exists()
 
 
+def test_a_data_dir_that_is_a_file_is_named_as_such(tmp_path):
+    (tmp_path / "train.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"owt: data_dir .*train.bin is a file; it must be the folder"):
+        TokenFileTask("owt", data_dir=tmp_path / "train.bin", seq_len=32).check_data()
+
+
 def test_default_data_dirs_in_missing_message(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"python scripts/prepare_owt.py --data-dir data/owt"):

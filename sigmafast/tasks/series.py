@@ -200,7 +200,7 @@ class SeriesTask(Task):
         tokens = self._tokens["val"]
         starts = torch.arange(0, len(tokens) - self.seq_len + 1, self.seq_len)
         what = (f"windows of seq_len={self.seq_len} that share no value in the val split of {self.path} "
-                f"({len(tokens)} values): pass fewer sequences or a smaller --seq-len")
+                f"({len(tokens)} values): ask for fewer sequences, or use a longer series")
         index = starts[distinct_indices(num_sequences, len(starts), generator, what)]
         index = index[:, None] + torch.arange(self.seq_len)  # (N, T)
         return torch.from_numpy(np.asarray(tokens[index.numpy()], dtype=np.int64))

@@ -155,6 +155,9 @@ class TokenFileTask(Task):
 
     @functools.cached_property
     def _data(self) -> dict[str, np.ndarray]:
+        if self.data_dir.exists() and not self.data_dir.is_dir():
+            raise ValueError(f"{self.name}: data_dir {self.data_dir} is a file; it must be the folder of the token "
+                             f"files (train.bin, val.bin)")
         paths = split_paths(self.data_dir)
         missing = [str(p) for p in paths.values() if not p.is_file()]
         if missing:
