@@ -194,7 +194,8 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 setattr(self, name, os.path.abspath(getattr(self, name)))
         if self.resume and self.overwrite:
-            raise ValueError("TrainConfig.resume and TrainConfig.overwrite exclude each other: continue the run, or start anew")
+            raise ValueError("TrainConfig.resume and TrainConfig.overwrite exclude each other: continue the run, "
+                             "or start anew")
         if self.preset is None:
             self.preset = default_preset(self.task)
         _check_choice("preset", self.preset, tuple(PRESETS))
