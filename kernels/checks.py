@@ -85,7 +85,9 @@ def check_temperature(temperature) -> None:
 
 
 def check_top_k(top_k) -> None:
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise TypeError(f"top_k must be None or an int >= 1, got {type(top_k).__name__}")
+    if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
 
 

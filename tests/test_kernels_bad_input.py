@@ -80,6 +80,8 @@ def _sampler_bad_calls():
         ("temperature-str", lambda b: kernels.sample(x, u, "1", backend=b), TypeError, "temperature"),
         ("top-k-0", lambda b: kernels.sample(x, u, 1.0, 0, backend=b), ValueError, "top_k must be None or an int"),
         ("top-k-negative", lambda b: kernels.sample(x, u, 1.0, -1, backend=b), ValueError, "top_k"),
+        ("top-k-float", lambda b: kernels.sample(x, u, 1.0, 2.0, backend=b), TypeError,
+         "top_k must be None or an int >= 1, got float"),
         ("sample-rank", lambda b: kernels.sample(x[None], u, backend=b), ValueError, "logits must have 2 dim"),
         ("sample-uniforms", lambda b: kernels.sample(x, u[:3], backend=b), ValueError, "uniforms must have shape"),
         ("residual-p-rows", lambda b: kernels.residual_sample(x, x[:1], u, backend=b), ValueError, "p_logits must"),
