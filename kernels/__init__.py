@@ -160,8 +160,8 @@ def acceptance_from_hidden(
         extra = {} if scoring is None else {"scoring": scoring}
         return fn(hidden, weight, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
                   vocab_size=vocab_size, flag=flag, **extra)
-    if scoring is not None and scoring not in checks.SCORINGS:  # the Triton path's choice, checked alike
-        raise ValueError(f"scoring must be one of {checks.SCORINGS}, got {scoring!r}")
+    if scoring is not None:  # the Triton path's choice, checked alike
+        checks.check_scoring_name(scoring)
     V = checks.check_hidden(hidden, weight, vocab_size, _REF)
     checks.check_scoring(hidden.shape[:3], hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k,
                          rule)
@@ -190,9 +190,9 @@ def sample_from_hidden(hidden, weight, uniforms, temperature=1.0, top_k=None, *,
     """:func:`sample` of the logits ``(hidden @ weight.T)[:, :vocab_size]`` ((N, C) and (V', C), rows past
     ``vocab_size`` being alignment padding). The reference path computes them a block of rows at a time
     (``row_blocks``), never all at once; the Triton path writes them whole and runs the sampling kernel."""
-    V = checks.check_hidden(hidden, weight, vocab_size, _REF, ndim=2)
-    if _resolve(backend, hidden) == "triton":
-        checks.check_float("hidden", hidden, 2)  # the sampling kernel's dtypes, named after this argument
+    triton = _resolve(backend, hidden) == "triton"
+    V = checks.check_hidden(hidden, weight, vocab_size, checks.FLOAT_DTYPES if triton else _REF, ndim=2)
+    if triton:
         logits = torch.nn.functional.linear(hidden, weight)[:, :V]
         return sample(logits, uniforms, temperature, top_k, used=used, flag=flag, backend="triton")
     checks.check_sampling(hidden, uniforms, temperature, top_k, name="hidden", dtypes=_REF)

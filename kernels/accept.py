@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from .decide import decide
-from .checks import SCORINGS, check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring
+from .checks import (check_acceptance, check_block_v, check_hidden, check_ratio_flag, check_scoring,
+                     check_scoring_name)
 from .reference import Acceptance
 from .radix import key_value
 from .topk import CAP, CHUNKS_PER_K, SCAN_V, prefilter, prefilter_config, threshold
@@ -317,8 +318,7 @@ def acceptance_from_hidden(
     output rows aligned (cuBLAS is several times slower on a 50257-wide output than a 50304-wide one).
     ``flag``: as in :func:`acceptance`.
     """
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    check_scoring_name(scoring)
     V = check_hidden(hidden, weight, vocab_size)
     B, O, R, C = hidden.shape
     check_scoring((B, O, R), hidden.device, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule)

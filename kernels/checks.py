@@ -84,6 +84,12 @@ def check_temperature(temperature) -> None:
                          f"got {temperature!r}")
 
 
+def check_scoring_name(scoring) -> None:
+    """How ``acceptance_from_hidden`` scores the drafts: one of :data:`SCORINGS`."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+
+
 def check_top_k(top_k) -> None:
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise TypeError(f"top_k must be None or an int >= 1, got {type(top_k).__name__}")

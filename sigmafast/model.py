@@ -180,6 +180,7 @@ def check_ids(name: str, ids: torch.Tensor, low: int, high: int, note: str = "")
     if bool(bad.any()):
         raise ValueError(f"{name} must be in [{low}, {high}){' ' + note if note else ''}, got {int(ids[bad][0])}")
 
+
 class SigmaGPT(nn.Module):
     def __init__(self, config: SigmaGPTConfig) -> None:
         super().__init__()
@@ -391,9 +392,8 @@ class SigmaGPT(nn.Module):
         return linear_cross_entropy(hidden, self.lm_head.weight, targets, row_weight=weight)
 
     def _check_targets(self, targets: torch.Tensor, tokens: torch.Tensor) -> None:
-        vocab_size = self.config.vocab_size
         if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
             raise TypeError(f"targets must be an int64 torch.Tensor, got {getattr(targets, 'dtype', type(targets))}")
         if targets.shape != tokens.shape:
             raise ValueError(f"targets must have shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-        check_ids("targets", targets, -1, vocab_size, "(-1 ignored)")
+        check_ids("targets", targets, -1, self.config.vocab_size, "(-1 ignored)")

@@ -162,8 +162,7 @@ def check_burst_memory(model, req: Request, rows: Optional[int] = None) -> None:
     from .memory import check_sampling_memory
 
     param = next(model.parameters())
-    B, T = req.canvas.shape
-    B = B if rows is None else rows
+    B, T = req.canvas.shape if rows is None else (rows, req.canvas.shape[1])
     blocks = None if backend_for(param) == "triton" else row_blocks.block_elements(param.device)
     check_sampling_memory(model.config, B, req.num_orders, T, param.device, param.element_size(),
                           block_elements=blocks)

@@ -49,15 +49,16 @@ def _compile_step(fn: Callable, backend: str) -> Callable:
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     limit_hit = tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
                       if hasattr(torch._dynamo.exc, n))
-    warned = []
+    warned = False
 
     def call(*args):
+        nonlocal warned
         try:
             with config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)}):
                 return compiled(*args)
         except limit_hit:  # raised before the step runs: nothing was written
             if not warned:
-                warned.append(True)
+                warned = True
                 warnings.warn(f"compile_steps: {fn.__name__} was compiled for {RECOMPILE_LIMIT} shapes and "
                               f"settings in this process; new ones run eagerly", RuntimeWarning, stacklevel=2)
             return fn(*args)

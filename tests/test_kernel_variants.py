@@ -136,7 +136,7 @@ def test_vocabulary_ops_over_row_counts():
             accept.topk_logq(rows, drafts.view(-1), 0.9, 2, None, 2, chunks_per_k=1)  # CUDA's top-k log q
             for temperature, top_k in ((1.0, None), (0.8, 2), (0.0, None)):
                 acceptance(logits, drafts, dl, ua, lens, temperature, top_k)
-                for scoring in accept.SCORINGS:
+                for scoring in kernels.checks.SCORINGS:
                     acceptance_from_hidden(torch.randn(B, O, R, C, generator=g), weight, drafts, dl, ua, lens,
                                            temperature, top_k, scoring=scoring)
     _assert_bounded(v, ["_chunk_stats_kernel", "_residual_mass_kernel", "_sample_kernel", "_residual_kernel",
