@@ -137,6 +137,7 @@ def acceptance(
 ) -> Acceptance:
     """Accept/reject drafts from (B, O, R, V) verifier logits; see the reference. With a () bool ``flag``
     (temperature > 0), also ``reference.flag_nan_ratios``, fused on the Triton path."""
+    temperature, top_k = checks.plain_scalars(temperature, top_k)
     if _resolve(backend, logits) == "triton":
         return _triton().accept.acceptance(logits, drafts, draft_logp, uniforms, lengths, temperature, top_k, rule,
                                            flag=flag)
@@ -155,6 +156,7 @@ def acceptance_from_hidden(
     (V', C), rows past ``vocab_size`` being alignment padding); neither path writes all the logits at
     once (``scoring``: see :func:`accept.acceptance_from_hidden`; the reference's: ``row_blocks``).
     ``flag``: as in :func:`acceptance`."""
+    temperature, top_k = checks.plain_scalars(temperature, top_k)
     if _resolve(backend, hidden) == "triton":
         fn = _triton().accept.acceptance_from_hidden
         extra = {} if scoring is None else {"scoring": scoring}
@@ -175,6 +177,7 @@ def sample(logits, uniforms, temperature=1.0, top_k=None, *, used=None, flag=Non
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF sampling from (N, V) logits with (N,) uniforms; see the reference. With a () bool ``flag``,
     also ``flag_nonfinite(logits, used, flag)`` (``used``: None or (N,) bool), fused on the Triton path."""
+    temperature, top_k = checks.plain_scalars(temperature, top_k)
     if _resolve(backend, logits) == "triton":
         return _triton().sampling.sample(logits, uniforms, temperature, top_k, used=used, flag=flag)
     checks.check_sampling(logits, uniforms, temperature, top_k, dtypes=_REF)
@@ -190,6 +193,7 @@ def sample_from_hidden(hidden, weight, uniforms, temperature=1.0, top_k=None, *,
     """:func:`sample` of the logits ``(hidden @ weight.T)[:, :vocab_size]`` ((N, C) and (V', C), rows past
     ``vocab_size`` being alignment padding). The reference path computes them a block of rows at a time
     (``row_blocks``), never all at once; the Triton path writes them whole and runs the sampling kernel."""
+    temperature, top_k = checks.plain_scalars(temperature, top_k)
     triton = _resolve(backend, hidden) == "triton"
     V = checks.check_hidden(hidden, weight, vocab_size, checks.FLOAT_DTYPES if triton else _REF, ndim=2)
     if triton:
@@ -203,6 +207,7 @@ def sample_from_hidden(hidden, weight, uniforms, temperature=1.0, top_k=None, *,
 def residual_sample(q_logits, p_logits, uniforms, temperature=1.0, top_k=None, *, backend: Optional[str] = None
                     ) -> torch.Tensor:
     """Sample from normalize(max(0, q - p)); see the reference."""
+    temperature, top_k = checks.plain_scalars(temperature, top_k)
     if _resolve(backend, q_logits) == "triton":
         return _triton().sampling.residual_sample(q_logits, p_logits, uniforms, temperature, top_k)
     checks.check_residual(q_logits, p_logits, uniforms, temperature, top_k, dtypes=_REF)

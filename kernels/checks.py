@@ -90,6 +90,16 @@ def check_scoring_name(scoring) -> None:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
 
 
+def plain_scalars(temperature, top_k) -> tuple:
+    """``temperature`` and ``top_k`` as a Python float and int when they are real and integral numbers (NumPy
+    scalars included, which the Triton launchers cannot take); anything else unchanged, for the checks to name."""
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        temperature = float(temperature)
+    if isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool):
+        top_k = int(top_k)
+    return temperature, top_k
+
+
 def check_top_k(top_k) -> None:
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise TypeError(f"top_k must be None or an int >= 1, got {type(top_k).__name__}")

@@ -19,7 +19,8 @@ Sources (tokens are uint16, each document followed by ``<|endoftext|>``):
 Tokenisation runs on ``--num-workers`` threads (tiktoken releases the GIL).
 An existing train.bin or val.bin in ``--data-dir`` stops the script before any
 download unless ``--overwrite`` is given; each file is written under a temporary
-name and renamed only once complete.
+name and renamed only once complete. Ctrl-C removes the temporary files and
+exits with status 130; those of a run killed outright are removed by the next.
 """
 
 from __future__ import annotations
@@ -186,6 +187,29 @@ def existing_outputs(data_dir: Path) -> list[Path]:
     return [path for path in split_paths(data_dir).values() if os.path.lexists(path)]
 
 
+def remove_stale_temp_files(data_dir: Path) -> list[Path]:
+    """Remove the temporary files (``.train.bin.<pid>.tmp``) that a killed run left in ``data_dir``: those of a
+    process that no longer runs. Returns what was removed."""
+    removed = []
+    for path in split_paths(data_dir).values():
+        for tmp in data_dir.glob(f".{path.name}.*.tmp"):
+            pid = tmp.name[len(path.name) + 2:-len(".tmp")]
+            if pid.isdigit() and not process_exists(int(pid)):
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+    return removed
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid <= 2**31 - 1
+    return True
+
+
 def remove_empty_dirs(folders: Sequence[Path]) -> None:
     """Remove ``folders`` (deepest first), stopping at the first that is not an empty folder."""
     for folder in folders:
@@ -252,6 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     created: list[Path] = []
     try:
         created = check_output_dir(data_dir)
+        for tmp in remove_stale_temp_files(data_dir):
+            print(f"removed {tmp}, left by an earlier run that was killed")
         if args.from_text:
             val_fraction = args.val_fraction if args.val_fraction is not None else FROM_TEXT_VAL_FRACTION
             counts = prepare_from_text(args.from_text, data_dir, val_fraction, args.num_workers)
@@ -261,6 +287,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 args.dataset, args.revision)
     except BaseException as exc:
         remove_empty_dirs(created)  # a failed run leaves no empty folder of its own behind
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"prepare_owt.py: interrupted; nothing was written to {data_dir}", file=sys.stderr)
+            raise SystemExit(130) from None
         if not isinstance(exc, (ValueError, OSError, ImportError, RuntimeError)):
             raise
         raise SystemExit(f"prepare_owt.py: error: {exc}") from exc

@@ -256,3 +256,25 @@ def test_drafts_outside_the_vocabulary_are_rejected_on_both_backends(backend, te
     assert not res.accept[0, 0, 1:3].any()
     if temperature:
         assert torch.isinf(res.logq[0, 0, 1:3]).all() and (res.logq[0, 0, 1:3] < 0).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_numpy_scalars_are_taken_as_python_numbers(backend):
+    """A NumPy integer ``top_k`` and NumPy float ``temperature`` give what the Python numbers give; a NumPy bool
+    is still refused."""
+    np = pytest.importorskip("numpy")
+    logits, q = _t(3, 40, seed=3), _t(3, 40, seed=4)
+    u = _t(3, seed=5).abs().clamp(max=0.99)
+    want = kernels.sample(logits, u, 0.8, 5, backend=backend)
+    got = kernels.sample(logits, u, np.float32(0.8), np.int64(5), backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kernels.residual_sample(q, logits, u, np.float64(0.8), np.int32(5), backend=backend),
+                               kernels.residual_sample(q, logits, u, 0.8, 5, backend=backend))
+    drafts = logits.argmax(-1).view(1, 1, 3)
+    args = (logits.view(1, 1, 3, 40), drafts, torch.full((1, 1, 3), -2.0, device=DEVICE), u.view(1, 1, 3),
+            torch.tensor([3], device=DEVICE))
+    want = kernels.acceptance(*args, 0.8, 5, "lossless", backend=backend)
+    got = kernels.acceptance(*args, np.float32(0.8), np.int16(5), "lossless", backend=backend)
+    torch.testing.assert_close(got.accept, want.accept)
+    with pytest.raises(TypeError, match="top_k must be None or an int"):
+        kernels.sample(logits, u, 1.0, np.bool_(True), backend=backend)

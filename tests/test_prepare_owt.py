@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -212,3 +213,29 @@ def test_failed_run_leaves_no_empty_folder(tmp_path, monkeypatch):
             with pytest.raises(SystemExit, match="does not exist|could not load"):
                 prepare_owt.main(["--from-text", str(tmp_path / name), "--data-dir", str(data_dir)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "kept"]  # "kept" was there before
+
+
+def test_ctrl_c_exits_130_and_a_killed_runs_temp_files_are_removed(tmp_path, enc, monkeypatch, capsys):
+    """Ctrl-C during tokenising leaves nothing behind and exits 130 with one line, no traceback; the next run
+    removes the temporary files of a run killed outright (a process that no longer exists), not those of one
+    still running."""
+    docs = [f"Document {i}.\n" for i in range(20)]
+    _fake_datasets(monkeypatch, {"train": docs}, [])
+    out = tmp_path / "owt"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare_owt, "encode_documents", interrupted)
+        with pytest.raises(SystemExit) as exc:
+            prepare_owt.main(["--max-docs", "10", "--data-dir", str(out), "--num-workers", "1"])
+    assert exc.value.code == 130 and "interrupted; nothing was written" in capsys.readouterr().err
+    assert not out.exists()  # the folder it created is gone too
+    out.mkdir()
+    dead = 2**22 + 12345  # above Linux's default pid_max (2**22), so no process has it
+    stale, live = out / f".train.bin.{dead}.tmp", out / f".val.bin.{os.getppid()}.tmp"
+    stale.write_bytes(b"\0\0"), live.write_bytes(b"\0\0")
+    prepare_owt.main(["--max-docs", "10", "--data-dir", str(out), "--num-workers", "1"])
+    assert not stale.exists() and live.exists()
+    assert f"removed {stale}" in capsys.readouterr().out
