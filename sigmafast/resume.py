@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from .batches import SAMPLE_STREAM, stream_generator
-from .checkpoint import stored_model_config
+from .checkpoint import stored_model_config, stored_objective
 from .evaluation import numeric_metrics
 from .train_config import PATH_FIELDS, RUN_FIELDS, TASK_FLAGS, TrainConfig, resume_config
 
@@ -15,6 +15,11 @@ def resumed_config(user_cfg: TrainConfig, ckpt: dict) -> tuple[TrainConfig, froz
     """The config that continues the run of ``ckpt`` with the fields ``user_cfg`` sets
     (:func:`~sigmafast.train_config.resume_config`), and the fields the run was given explicitly so far,
     to store in the next checkpoint."""
+    objective = stored_objective(ckpt)[0]
+    if "objective" in user_cfg.explicit_fields() and user_cfg.objective != objective:  # before the merged fields
+        raise ValueError(f"TrainConfig.objective: the checkpoint's run has objective {objective!r}, and a resumed "
+                         f"run keeps it: leave TrainConfig.objective out, or start a new run (--overwrite, or "
+                         f"another --out-dir)")
     stored_explicit = frozenset(ckpt.get("explicit_fields", ()))  # none in checkpoints before the record
     stored = dict(ckpt["train_config"])
     recorded = ckpt["task"]["kwargs"]

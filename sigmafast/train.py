@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import re
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -147,7 +148,10 @@ class _Trainer:
         task_kwargs = user_cfg.task_kwargs()
         check_task_flags(user_cfg.task, task_kwargs)
         learned = learned_task_kwargs(ckpt) if ckpt is not None else {}  # the stored vocabulary, bins
-        self.task = get_task(user_cfg.task, **task_kwargs, **learned)
+        try:
+            self.task = get_task(user_cfg.task, **task_kwargs, **learned)
+        except ValueError as e:  # the task's argument, in the words of the config (the script's --seq-len)
+            raise ValueError(re.sub(r"\bseq_len\b", "TrainConfig.seq_len", str(e))) from e
         self.task.check_data()  # a missing data set fails now, with how to get it
         self.cfg = cfg = resolve(user_cfg, self.task.seq_len, layout.world_size)
         check_given_fields(cfg, given, self.task)

@@ -26,11 +26,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
         (["--n-embd", "60", "--n-head", "4"], "--n-embd (60) must be divisible by 2*n_head (8)"),
         (["--max-iters", "many"], "argument --max-iters: invalid int value: 'many'"),
         (["--lr", "-1"], "--lr must be > 0"),
-        (["--seq-len", "1"], "seq_len"),
+        (["--seq-len", "1"], "--seq-len must be"),
         (["--resume", "--out-dir", "{empty}"], "no checkpoint at"),
         (["--resume", "--out-dir", "{trained}", "--n-layer", "3"], "n_layer: checkpoint 1, now 3"),
         (["--resume", "--out-dir", "{trained}", "--seq-len", "10"], "task seq_len: checkpoint 12, now 10"),
         (["--resume", "--out-dir", "{trained}", "--task", "step"], "written for task 'permutation'; leave --task out"),
+        (["--resume", "--out-dir", "{trained}", "--objective", "diffusion"],
+         "--objective: the checkpoint's run has objective 'sigma', and a resumed run keeps it"),
         (["--resume", "--out-dir", "{trained}", "--n-head", "3"],  # the checkpoint's width, not the recipe's 256
          "--n-embd (64) must be divisible by 2*n_head (6)"),
         (["--weight-decay", "nan"], "--weight-decay must be a finite number, got nan"),
@@ -50,7 +52,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
-         "other-arch", "other-seq-len", "other-task", "other-heads", "nan-weight-decay", "inf-lr", "huge-seq-len",
+         "other-arch", "other-seq-len", "other-task", "other-objective", "other-heads", "nan-weight-decay", "inf-lr", "huge-seq-len",
          "huge-model", "curriculum-start-random", "curriculum-start-diffusion", "curriculum-iters-random",
          "diffusion-noise-sigma", "lr-decay-below-warmup", "negative-seed", "huge-seed", "cuda-without-cuda"],
 )
