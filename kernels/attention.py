@@ -14,8 +14,8 @@ online softmax, then continues the same online softmax over the causal suffix
 keys of its segments (cascade attention: prefix and suffix meet in one
 log-sum-exp; the split that owns the suffix is split 0). With several KV splits
 the fp32 partial outputs and base-2 log-sum-exps are merged by a second small
-kernel. fp32 inputs use IEEE fp32 dots (never TF32), so the fp32 path is as
-exact as the reference.
+kernel. fp32 inputs use IEEE fp32 dots (never TF32), so the fp32 path agrees
+with the reference to a few ulps (the GPU's division and exp2 are approximate).
 
 Prefix traffic: per-order attention (SDPA over ``[cache; suffix]`` per order)
 reads O·L·D keys and values per (b, h). Here it is ceil(O·R / BLOCK_M)·L·D
