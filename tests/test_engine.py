@@ -216,18 +216,27 @@ def test_warmup_runs_every_burst_bucket_of_a_long_canvas(acceptance):
     tokens."""
     long_model = tiny_model(VOCAB, 40, seed=4, std=0.5, dtype=torch.float32)
     idx = torch.randint(0, VOCAB, (3, 2), generator=torch.Generator().manual_seed(0))
-    engine = sigmafast.warmup(sigmafast.Engine(long_model, buckets=True), 3, 40, acceptance=acceptance)
+    seen, real = [], steps.burst_step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steps, "burst_step", lambda session, d, R, *a: seen.append(R) or real(session, d, R, *a))
+        engine = sigmafast.warmup(sigmafast.Engine(long_model, buckets=True), 3, 40, acceptance=acceptance)
+    assert set(seen) == {16, 32, 40}, seen
     out = sigmafast.generate(engine, idx, 38, acceptance=acceptance, generator=torch.Generator().manual_seed(1))
     want = sigmafast.generate(long_model, idx, 38, acceptance=acceptance, generator=torch.Generator().manual_seed(1))
     assert torch.equal(out, want)
 
 
-def test_engine_follows_replaced_weights(model):
-    """Steps read the parameters in place; an engine whose model's tensors were replaced starts afresh."""
-    clone = tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_engine_follows_replaced_weights(device):
+    """Steps read the parameters in place; an engine whose model's tensors were replaced starts afresh. On
+    CUDA the engine keeps sessions and captured graphs, which would replay the old weights; on the CPU it
+    keeps none, and the test checks the contract only."""
+    clone = tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32).to(device)
     engine = sigmafast.Engine(clone, buckets=True)
-    idx = torch.zeros(2, 0, dtype=torch.long)
-    first = sigmafast.generate(engine, idx, T, generator=torch.Generator().manual_seed(0), temperature=0)
+    idx = torch.zeros(2, 0, dtype=torch.long, device=device)
+    for _ in range(2):  # on CUDA the first call runs eagerly, the second captures its steps
+        first = sigmafast.generate(engine, idx, T, generator=torch.Generator().manual_seed(0), temperature=0)
     with torch.no_grad():
         for p in clone.parameters():
             p.data = p.data * -1.0  # new storage

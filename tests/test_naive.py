@@ -29,7 +29,9 @@ def _inputs(kind: str, batch: int):
     known[0, :] = False
     if batch > 1:
         known[1, :] = True  # a finished row from the start
-        known[1, 2] = False
+    if batch > 2:
+        known[2, :] = True
+        known[2, 2] = False  # one unknown: finished after one step
     canvas = torch.randint(0, VOCAB, (batch, T), generator=g)
     return canvas, dict(known=known)
 
