@@ -255,6 +255,16 @@ def stored_objective(ckpt: dict) -> tuple[str, Optional[DiffusionConfig]]:
     return objective, None if diffusion is None else DiffusionConfig.from_dict(diffusion)
 
 
+def stored_train_config(ckpt: dict) -> dict:
+    """The checkpoint's TrainConfig fields. Runs shorter than their warm-up once stored ``lr_decay_iters =
+    max_iters < warmup_iters``, which :func:`~sigmafast.optim.learning_rate` reads as ``lr_decay_iters =
+    warmup_iters`` (all warm-up, then ``min_lr``): it reads as that, which the config's checks take."""
+    d = dict(ckpt["train_config"])
+    if None not in (d.get("lr_decay_iters"), d.get("warmup_iters")) and d["lr_decay_iters"] < d["warmup_iters"]:
+        d["lr_decay_iters"] = d["warmup_iters"]
+    return d
+
+
 def stored_model_config(ckpt: dict) -> SigmaGPTConfig:
     """The checkpoint's model config; fields added since it was written read as their defaults (the model
     it was built with)."""
@@ -310,7 +320,7 @@ def load_checkpoint(path, device="cpu") -> tuple[nn.Module, object, TrainConfig]
 
     device = check_device(device)
     ckpt = read_checkpoint(path)
-    train_cfg = TrainConfig.from_dict(ckpt["train_config"])
+    train_cfg = TrainConfig.from_dict(stored_train_config(ckpt))
     task = get_task(ckpt["task"]["name"], **ckpt["task"]["kwargs"])
     model = make_model(stored_model_config(ckpt), *stored_objective(ckpt))
     model.load_state_dict(ckpt["model"])

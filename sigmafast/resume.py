@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from .batches import SAMPLE_STREAM, stream_generator
-from .checkpoint import stored_model_config, stored_objective
+from .checkpoint import stored_model_config, stored_objective, stored_train_config
 from .evaluation import numeric_metrics
 from .train_config import PATH_FIELDS, RUN_FIELDS, TASK_FLAGS, TrainConfig, resume_config
 
@@ -21,7 +21,7 @@ def resumed_config(user_cfg: TrainConfig, ckpt: dict) -> tuple[TrainConfig, froz
                          f"run keeps it: leave TrainConfig.objective out, or start a new run (--overwrite, or "
                          f"another --out-dir)")
     stored_explicit = frozenset(ckpt.get("explicit_fields", ()))  # none in checkpoints before the record
-    stored = dict(ckpt["train_config"])
+    stored = stored_train_config(ckpt)
     recorded = ckpt["task"]["kwargs"]
     for name in PATH_FIELDS:  # older checkpoints kept the path as given; the task record holds it absolute
         if isinstance(stored.get(name), str) and not os.path.isabs(stored[name]) and name in recorded:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sigmafast.checkpoint import atomic_save, read_checkpoint
+from sigmafast.checkpoint import atomic_save, load_checkpoint, read_checkpoint
 from sigmafast.train import TrainConfig, train
 from helpers import signal_in_val_loss, small_cfg, train_script
 
@@ -158,3 +158,17 @@ def test_a_source_given_again_at_its_value_keeps_its_derived_field(tmp_path):
     train(small_cfg(tmp_path, max_iters=4, lr=2 * stored["lr"], resume=True))
     now = read_checkpoint(tmp_path / "ckpt.pt")["train_config"]
     assert now["min_lr"] == 2 * stored["lr"] / 10
+
+
+def test_a_checkpoint_of_a_run_shorter_than_its_warmup_from_older_versions_loads_and_resumes(tmp_path):
+    """Before the check lr_decay_iters >= warmup_iters, a run shorter than its warm-up stored lr_decay_iters =
+    max_iters: the same schedule as lr_decay_iters = warmup_iters, which loading and resuming read it as."""
+    train(small_cfg(tmp_path, max_iters=2))
+    path = tmp_path / "ckpt.pt"
+    ckpt = read_checkpoint(path)
+    ckpt["train_config"].update(max_iters=3, lr_decay_iters=3, warmup_iters=5)
+    atomic_save(ckpt, path)
+    _, _, cfg = load_checkpoint(path)
+    assert (cfg.lr_decay_iters, cfg.warmup_iters) == (5, 5)
+    train(TrainConfig(out_dir=str(tmp_path), resume=True))  # a bare resume: the stored run's last step
+    assert read_checkpoint(path)["iter"] == 3
