@@ -31,10 +31,11 @@ import pytest
 import torch
 
 import sigmafast
-from _common import bench_full, device_info, sample_count, summarize, wilson_interval
+from _common import bench_full, device_info, sample_count, summarize
 from _models import ModelSpec, spec
 from bench_steps import _canvas, timed_sample
 from sigmafast import diffusion
+from sigmafast.intervals import wilson_interval
 from sigmafast.tasks import get_task
 
 TASKS = ("step", "permutation", "maze")

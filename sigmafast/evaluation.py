@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 
 from . import diffusion, orders
+from .intervals import wilson_interval
 from .model import SigmaGPT
 from .signals import check_stop
 
@@ -27,6 +28,22 @@ def estimate_val_loss(model: SigmaGPT, batches, order: str, bos: int, autocast, 
             loss = model.loss(tokens.to(device), in_pos.to(device), out_pos.to(device), targets.to(device))
         total += loss.float()
     return (total / len(batches)).item()
+
+
+PROPORTIONS = ("valid", "correct", "optimal")  # task.evaluate's fractions of the sampled sequences
+
+
+def metrics_line(metrics: dict, n: int) -> str:
+    """The metrics of ``n`` sampled sequences for a log line: each proportion of sequences with its Wilson 95%
+    interval and ``n`` (``valid 0.625 [0.386, 0.815] of 16``), the others as values."""
+    parts = []
+    for name, value in metrics.items():
+        part = f"{name} {float(value):.3f}"
+        if name in PROPORTIONS:
+            low, high = wilson_interval(round(float(value) * n), n)
+            part += f" [{low:.3f}, {high:.3f}] of {n}"
+        parts.append(part)
+    return " ".join(parts)
 
 
 def numeric_metrics(metrics) -> bool:

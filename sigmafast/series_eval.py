@@ -15,8 +15,9 @@ between the decoded sample and the decoded ground truth (bin centres, in the
 task's units: ft for ``vertical_rate``). The table reports the mean and the
 standard deviation of this error over all ``num_sequences *
 samples_per_sequence`` samples, and the half-width of a 95% confidence interval
-of the mean: 1.96 times the standard error of the per-sequence means, since
-the samples of one sequence share its ground truth and are not independent.
+of the mean: Student's t quantile (num_sequences - 1 degrees of freedom) times
+the standard error of the per-sequence means, since the samples of one
+sequence share its ground truth and are not independent.
 A non-value token sampled at a value position (BOS, an aircraft type) decodes
 as the nearest bin (the top one) and is counted in ``invalid``, the fraction of
 generated value tokens that are not values.
@@ -34,6 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .intervals import t_quantile
 from .request import AR_ORDERS, model_limits
 from .sampler import generate
 
@@ -52,12 +54,13 @@ class PromptedResult:
 
 
 def sequence_ci(mse: torch.Tensor, num_sequences: int) -> float:
-    """Half-width of the 95% normal CI of ``mse.mean()`` for (num_sequences * S,) errors grouped by
-    sequence (sequence-major): 1.96 std(per-sequence means) / sqrt(num_sequences); nan for one sequence."""
+    """Half-width of the 95% CI of ``mse.mean()`` for (num_sequences * S,) errors grouped by sequence
+    (sequence-major): t std(per-sequence means) / sqrt(num_sequences), t being Student's 97.5% quantile with
+    num_sequences - 1 degrees of freedom (2.262 for 10 sequences); nan for one sequence."""
     if num_sequences < 2:
         return math.nan
     per_sequence = mse.view(num_sequences, -1).mean(dim=1)
-    return 1.96 * per_sequence.std().item() / math.sqrt(num_sequences)
+    return t_quantile(0.95, num_sequences - 1) * per_sequence.std().item() / math.sqrt(num_sequences)
 
 
 def prompt_known(task, fraction: float) -> torch.Tensor:

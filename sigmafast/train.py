@@ -34,7 +34,7 @@ from .checkpoint import (
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
-from .evaluation import estimate_val_loss, numeric_metrics, sample_validity
+from .evaluation import estimate_val_loss, metrics_line, numeric_metrics, sample_validity
 from .loss import step_weights
 from .memory import GIB, check_training_memory
 from .model import SigmaGPTConfig
@@ -284,7 +284,7 @@ class _Trainer:
             metrics = sample_validity(self.model, self.task, self.canvas, self.cfg.seed, self.device,
                                       should_stop=self._should_stop)
             record.update({f"sample_{k}": float(v) for k, v in metrics.items()})
-            line += " | " + " ".join(f"{k} {float(v):.3f}" for k, v in metrics.items())
+            line += " | " + metrics_line(metrics, self.canvas.shape[0])
         return record, line
 
     def _val_loss(self, name: str) -> float:

@@ -318,12 +318,13 @@ def test_evaluate_prompted_on_a_tiny_model_is_reproducible():
 
 
 def test_sequence_ci_groups_samples_by_sequence():
-    """Sequence-major grouping: spread between sequences widens the CI, spread within one does not."""
+    """Sequence-major grouping: spread between sequences widens the CI, spread within one does not; the
+    quantile is Student's t with one degree of freedom fewer than the sequences."""
     between = torch.tensor([1.0, 1.0, 1.0, 3.0, 3.0, 3.0])  # 2 sequences x 3 samples
     within = torch.tensor([1.0, 3.0, 2.0, 1.0, 3.0, 2.0])
-    assert sequence_ci(between, 2) == pytest.approx(1.96 * math.sqrt(2.0) / math.sqrt(2))
+    assert sequence_ci(between, 2) == pytest.approx(12.706205 * math.sqrt(2.0) / math.sqrt(2))  # t(0.975, 1)
     assert sequence_ci(within, 2) == 0.0
-    assert sequence_ci(between, 6) == pytest.approx(1.96 * between.std().item() / math.sqrt(6))
+    assert sequence_ci(between, 6) == pytest.approx(2.570582 * between.std().item() / math.sqrt(6))  # t(.975, 5)
     assert math.isnan(sequence_ci(between, 1))
 
 
