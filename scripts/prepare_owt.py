@@ -19,8 +19,9 @@ Sources (tokens are uint16, each document followed by ``<|endoftext|>``):
 Tokenisation runs on ``--num-workers`` threads (tiktoken releases the GIL).
 An existing train.bin or val.bin in ``--data-dir`` stops the script before any
 download unless ``--overwrite`` is given; each file is written under a temporary
-name and renamed only once complete. Ctrl-C removes the temporary files and
-exits with status 130; those of a run killed outright are removed by the next.
+name, and both are renamed into place only once both are complete. Ctrl-C
+removes the temporary files and exits with status 130; those of a run killed
+outright are removed by the next.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from sigmafast.data import (
     read_text,
     split_paths,
     utf8_safe_cut,
-    write_tokens,
 )
 
 SOURCES = {
@@ -106,8 +106,9 @@ def val_document_indices(num_docs: int, val_fraction: float) -> set[int]:
 
 
 def write_documents(docs: Iterable[str], outputs: dict[str, Path], val_docs: Optional[set[int]], num_threads: int,
-                    total: Optional[int], desc: str) -> dict[str, int]:
-    """Tokenise ``docs`` into ``outputs`` and return the token count of each file.
+                    total: Optional[int], desc: str) -> dict[str, TokenWriter]:
+    """Tokenise ``docs`` into ``outputs``; returns their writers, finished but not published (see
+    :func:`publish_all`).
 
     With ``val_docs``, ``outputs`` has "train" and "val" and the documents whose
     index is in ``val_docs`` go to "val"; without, ``outputs`` has one file that
@@ -135,16 +136,29 @@ def write_documents(docs: Iterable[str], outputs: dict[str, Path], val_docs: Opt
         empty = [str(outputs[key]) for key, count in docs_per_file.items() if count == 0]
         if empty:
             raise ValueError(f"no documents went to {' and '.join(empty)} ({index} documents were read)")
-    except BaseException:
         for writer in writers.values():
-            writer.abort()
+            writer.finish()
+    except BaseException:
+        abort_all(writers)
         raise
+    return writers
+
+
+def abort_all(writers: dict[str, TokenWriter]) -> None:
     for writer in writers.values():
-        writer.close()
+        writer.abort()
+
+
+def publish_all(writers: dict[str, TokenWriter]) -> dict[str, int]:
+    """Rename the finished files into place together, once every one is complete (a failed run leaves no new
+    train.bin beside an old val.bin); returns the token count of each."""
+    for writer in writers.values():
+        writer.publish()
     return {key: writer.num_tokens for key, writer in writers.items()}
 
 
-def prepare_from_text(files: Sequence[str], data_dir: Path, val_fraction: float, num_threads: int) -> dict[str, int]:
+def prepare_from_text(files: Sequence[str], data_dir: Path, val_fraction: float, num_threads: int
+                      ) -> dict[str, TokenWriter]:
     texts = [read_text(name, "--from-text", exact=True) for name in files]
     enc = gpt2_encoding()
     tokens = np.concatenate(encode_documents(texts, enc, num_threads, desc="tokenising"))
@@ -154,14 +168,19 @@ def prepare_from_text(files: Sequence[str], data_dir: Path, val_fraction: float,
             f"--from-text: {len(tokens)} tokens are too few to give both train and val tokens "
             f"with --val-fraction {val_fraction}"
         )
-    paths = split_paths(data_dir)
-    write_tokens(paths["train"], tokens[:cut], GPT2_VOCAB_SIZE)
-    write_tokens(paths["val"], tokens[cut:], GPT2_VOCAB_SIZE)
-    return {"train": cut, "val": len(tokens) - cut}
+    writers = {key: TokenWriter(path, GPT2_VOCAB_SIZE) for key, path in split_paths(data_dir).items()}
+    try:
+        for key, part in (("train", tokens[:cut]), ("val", tokens[cut:])):
+            writers[key].write(part)
+            writers[key].finish()
+    except BaseException:
+        abort_all(writers)
+        raise
+    return writers
 
 
 def prepare_hf(source: str, data_dir: Path, max_docs: Optional[int], val_fraction: Optional[float],
-               num_workers: int, dataset: Optional[str], revision: Optional[str]) -> dict[str, int]:
+               num_workers: int, dataset: Optional[str], revision: Optional[str]) -> dict[str, TokenWriter]:
     spec = SOURCES[source]
     name = dataset or spec["dataset"]
     streaming = max_docs is not None
@@ -171,12 +190,14 @@ def prepare_hf(source: str, data_dir: Path, max_docs: Optional[int], val_fractio
         articles = wikitext_articles(texts_of(train))
         if max_docs is not None:
             articles = itertools.islice(articles, max_docs)
-        val = load_hf_split(name, spec["config"], spec["val_split"], revision, streaming, num_workers)
-        return {
-            **write_documents(articles, {"train": paths["train"]}, None, num_workers, max_docs, "train articles"),
-            **write_documents(wikitext_articles(texts_of(val)), {"val": paths["val"]}, None, num_workers, None,
-                              "val articles"),
-        }
+        writers = write_documents(articles, {"train": paths["train"]}, None, num_workers, max_docs, "train articles")
+        try:
+            val = load_hf_split(name, spec["config"], spec["val_split"], revision, streaming, num_workers)
+            return {**writers, **write_documents(wikitext_articles(texts_of(val)), {"val": paths["val"]}, None,
+                                                 num_workers, None, "val articles")}
+        except BaseException:
+            abort_all(writers)
+            raise
     total = max_docs if streaming else len(train)
     docs = texts_of(itertools.islice(train, max_docs) if streaming else train)
     return write_documents(docs, paths, val_document_indices(total, val_fraction), num_workers, total, "documents")
@@ -185,29 +206,6 @@ def prepare_hf(source: str, data_dir: Path, max_docs: Optional[int], val_fractio
 def existing_outputs(data_dir: Path) -> list[Path]:
     """The output files already in ``data_dir`` (a run would replace them)."""
     return [path for path in split_paths(data_dir).values() if os.path.lexists(path)]
-
-
-def remove_stale_temp_files(data_dir: Path) -> list[Path]:
-    """Remove the temporary files (``.train.bin.<pid>.tmp``) that a killed run left in ``data_dir``: those of a
-    process that no longer runs. Returns what was removed."""
-    removed = []
-    for path in split_paths(data_dir).values():
-        for tmp in data_dir.glob(f".{path.name}.*.tmp"):
-            pid = tmp.name[len(path.name) + 2:-len(".tmp")]
-            if pid.isdigit() and not process_exists(int(pid)):
-                tmp.unlink(missing_ok=True)
-                removed.append(tmp)
-    return removed
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return pid <= 2**31 - 1
-    return True
 
 
 def remove_empty_dirs(folders: Sequence[Path]) -> None:
@@ -276,15 +274,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     created: list[Path] = []
     try:
         created = check_output_dir(data_dir)
-        for tmp in remove_stale_temp_files(data_dir):
-            print(f"removed {tmp}, left by an earlier run that was killed")
         if args.from_text:
             val_fraction = args.val_fraction if args.val_fraction is not None else FROM_TEXT_VAL_FRACTION
-            counts = prepare_from_text(args.from_text, data_dir, val_fraction, args.num_workers)
+            writers = prepare_from_text(args.from_text, data_dir, val_fraction, args.num_workers)
         else:
             val_fraction = args.val_fraction if args.val_fraction is not None else OWT_VAL_FRACTION
-            counts = prepare_hf(source, data_dir, args.max_docs, val_fraction, args.num_workers,
-                                args.dataset, args.revision)
+            writers = prepare_hf(source, data_dir, args.max_docs, val_fraction, args.num_workers,
+                                 args.dataset, args.revision)
+        counts = publish_all(writers)
     except BaseException as exc:
         remove_empty_dirs(created)  # a failed run leaves no empty folder of its own behind
         if isinstance(exc, KeyboardInterrupt):

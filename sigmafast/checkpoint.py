@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from .diffusion.model import DiffusionConfig, make_model, objective_of
+from .files import publish, temp_path
 from .model import SigmaGPTConfig
 from .train_config import TrainConfig
 
@@ -28,50 +29,23 @@ def checkpoint_path(out_dir) -> Path:
     return Path(out_dir) / CKPT_NAME
 
 
-def _tmp_pattern(name: str) -> re.Pattern:
-    """The names of :func:`atomic_save`'s temporary files for ``name``: ``.<name>.<pid>.<8 hex>.tmp``."""
-    return re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # alive, but another user's
-        return True
-    return True
-
-
-def remove_stale_tmp(path: Path) -> None:
-    """Remove the temporary files of :func:`atomic_save` for ``path`` that a killed process left behind (those
-    whose process is gone from this host); never another file."""
-    pattern = _tmp_pattern(path.name)
-    for entry in path.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
-            with suppress(OSError):
-                entry.unlink()
-
-
 def atomic_save(obj, path) -> Path:
-    """``torch.save`` to a temporary file in the same folder, then ``os.replace`` it over ``path``; after a
-    successful save, the temporary files of killed saves to ``path`` are removed."""
+    """``torch.save`` to a temporary file in the same folder, then rename it over ``path``
+    (:mod:`sigmafast.files`: after a successful save, the temporary files of killed saves to ``path`` are
+    removed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temp_path(path)
     try:
         with open(tmp, "xb") as f:  # unlike mkstemp, honours the umask
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    with suppress(OSError):  # the checkpoint is written: failing to tidy up must not fail the save
-        remove_stale_tmp(path)
     return path
 
 

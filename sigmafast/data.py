@@ -19,6 +19,8 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .files import publish, temp_path
+
 TOKEN_DTYPE = np.uint16
 MAX_VOCAB_SIZE = int(np.iinfo(TOKEN_DTYPE).max) + 1  # ids 0..65535
 GPT2_VOCAB_SIZE = 50257
@@ -128,7 +130,8 @@ def sample_windows(
 
 
 class TokenWriter:
-    """Append uint16 token ids to ``path``; the file appears only when :meth:`close` succeeds.
+    """Append uint16 token ids to ``path``; the file appears only when :meth:`close` (or :meth:`finish` then
+    :meth:`publish`) succeeds, written whole (:mod:`sigmafast.files`).
 
     Use as a context manager: an exception inside the block removes the temp file.
     """
@@ -139,7 +142,7 @@ class TokenWriter:
         self.vocab_size = int(vocab_size)
         self.num_tokens = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._tmp = temp_path(self.path)
         self._file = open(self._tmp, "wb")
 
     def write(self, tokens: Union[Sequence[int], np.ndarray]) -> None:
@@ -154,10 +157,20 @@ class TokenWriter:
         ids.astype(TOKEN_DTYPE).tofile(self._file)
         self.num_tokens += ids.size
 
-    def close(self) -> Path:
+    def finish(self) -> None:
+        """Write the tokens to disk, under the temporary name."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(self._tmp, self.path)
+
+    def publish(self) -> Path:
+        """Rename the finished file to ``path``."""
+        publish(self._tmp, self.path)
         return self.path
+
+    def close(self) -> Path:
+        self.finish()
+        return self.publish()
 
     def abort(self) -> None:
         self._file.close()

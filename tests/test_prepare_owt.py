@@ -234,8 +234,34 @@ def test_ctrl_c_exits_130_and_a_killed_runs_temp_files_are_removed(tmp_path, enc
     assert not out.exists()  # the folder it created is gone too
     out.mkdir()
     dead = 2**22 + 12345  # above Linux's default pid_max (2**22), so no process has it
-    stale, live = out / f".train.bin.{dead}.tmp", out / f".val.bin.{os.getppid()}.tmp"
+    stale, live = out / f".train.bin.{dead}.0123abcd.tmp", out / f".val.bin.{os.getppid()}.0123abcd.tmp"
     stale.write_bytes(b"\0\0"), live.write_bytes(b"\0\0")
     prepare_owt.main(["--max-docs", "10", "--data-dir", str(out), "--num-workers", "1"])
     assert not stale.exists() and live.exists()
-    assert f"removed {stale}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == [live.name, "train.bin", "val.bin"]
+
+
+def test_a_failure_before_both_files_are_complete_replaces_neither(tmp_path, enc, monkeypatch):
+    """wikitext103 reads its validation split after tokenising the training one (lazily, as a stream): when
+    that fails, the train.bin already in --data-dir (and its val.bin) stay as they were, with no temporary
+    file left."""
+    out = tmp_path / "wt"
+    out.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (out / name).write_bytes(b"old")
+
+    def rows(split):
+        yield {"text": " = Title = \n"}
+        if split == "validation":
+            raise ConnectionError("the Hub is unreachable")
+        yield {"text": "Some text.\n"}
+
+    def load_dataset(name, config=None, split=None, streaming=False, **kwargs):
+        return rows(split)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.raises(SystemExit, match="error: the Hub is unreachable"):
+        prepare_owt.main(["--source", "wikitext103", "--max-docs", "5", "--data-dir", str(out), "--overwrite",
+                          "--num-workers", "1"])
+    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]
+    assert (out / "train.bin").read_bytes() == b"old"
