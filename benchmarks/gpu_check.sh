@@ -17,7 +17,9 @@
 # layouts, split-V streams, one program per tile and by rows (small-kernels); burst small
 # and gpt2 with both scorings, the timed one (auto), programmatic dependent launch (Engine(pdl=True)) and the
 # fused GELU (small-engine); small profiles with auto scoring, PDL and the fused GELU (small-profile). With
-# GPU_PARTS="small sweep tests vocab" the caps add up to 580 s: pass the device tool timeout_s=590.
+# GPU_PARTS="small sweep tests vocab" the caps add up to 580 s: pass the device tool timeout_s=590. Each part's
+# limit is also cut to what is left before GPU_DEADLINE_S (default 570 s from the start, less 20 s for the SIGKILL
+# grace and the bundling), and a part with under 10 s left is skipped: set it under the call's timeout_s.
 # pytest-benchmark writes its JSON only when a session ends, but cases.jsonl (SIGMAFAST_BENCH_LOG) gets
 # each case as it finishes, so a part cut off by its limit loses only the case it was in. -k also matches the
 # module name, so select by test function (test_engine, test_hf, test_anchor, test_first_call) and parameter
@@ -41,9 +43,15 @@ export TRITON_CACHE_DIR=$(mktemp -d) SIGMAFAST_CACHE=$(mktemp -d) SIGMAFAST_BENC
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,power.draw --format=csv | tee "$LOGS/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOGS/gpu.txt"
 
-run() {  # name, limit in seconds, command...
+DEADLINE=${GPU_DEADLINE_S:-570}  # seconds from the start: keep it under the device tool's timeout_s
+run() {  # name, limit in seconds (cut to what is left before DEADLINE), command...
     local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
+    local t0=$SECONDS left=$((DEADLINE - SECONDS - 20))  # 20 s: the SIGKILL grace and the bundling
+    if [ "$left" -lt 10 ]; then
+        echo "== $name: skipped, $((DEADLINE - SECONDS)) s left before GPU_DEADLINE_S" | tee -a "$LOGS/summary.txt"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     timeout -s INT -k 15 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     echo "== $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
     tail -n "${GPU_TAIL:-12}" "$LOGS/$name.log"
@@ -60,8 +68,8 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
         tests/test_kernels_rotary.py tests/test_kernels_lossless.py \
         tests/test_kernels_row_vectors.py tests/test_kernels_topk.py tests/test_kernels_plan.py \
         -q -p no:cacheprovider -rs --durations=15 ;;
-    vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_vocab.py \
-        tests/test_kernels_sampling.py tests/test_kernels_residual_rows.py -q -p no:cacheprovider -rs --durations=15 ;;
+    vocab) run vocab "${GPU_VOCAB_LIMIT:-100}" python -m pytest tests/test_kernels_residual_rows.py \
+        tests/test_kernels_vocab.py tests/test_kernels_sampling.py -q -p no:cacheprovider -rs --durations=15 ;;
     topk) run topk "${GPU_TOPK_LIMIT:-60}" python -m pytest tests/test_kernels_topk.py -q -p no:cacheprovider -rs ;;
     small) run small-kernels "${GPU_SMALL_KERNELS_LIMIT:-60}" python -m pytest benchmarks/bench_kernels.py \
         "${BENCH[@]}" --benchmark-json="$LOGS/small.json" \
@@ -70,9 +78,9 @@ for part in ${GPU_PARTS:-engine kernels tests profile vocab fused train}; do  # 
             --benchmark-json="$LOGS/small_engine.json" \
             -k "test_engine and B1 and not rope and not tiny and (burst-small or burst-gpt2 or -scoring- or -pdl- \
                 or -gelu-)"
-        run small-profile "${GPU_SMALL_PROFILE_LIMIT:-80}" bash -c "python benchmarks/profile_steps.py --shape small \
-            --batch 1 --scoring auto; python benchmarks/profile_steps.py --shape small --batch 1 --pdl \
-            ; python benchmarks/profile_steps.py --shape small --batch 1 --fused-gelu" ;;
+        run small-profile "${GPU_SMALL_PROFILE_LIMIT:-80}" bash -c "rc=0; for flag in '--scoring auto' --pdl \
+            --fused-gelu; do python benchmarks/profile_steps.py --shape small --batch 1 \$flag || rc=\$?; done; \
+            exit \$rc" ;;
     sweep) run sweep "${GPU_SWEEP_LIMIT:-100}" python benchmarks/sweep_vocab.py --json "$LOGS/sweep.json" ;;
     engine) run engine "${GPU_ENGINE_LIMIT:-240}" python -m pytest benchmarks/bench_engine.py "${BENCH[@]}" \
         --benchmark-json="$LOGS/engine.json" -k "${GPU_ENGINE_K:-test_first_call or (test_engine and not inductor and not pdl)}" ;;

@@ -34,7 +34,12 @@ def main(argv=None) -> None:
             print(f"{path}: missing (its part did not finish)")
             continue
         if path.suffix == ".jsonl":
-            cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            cases = []
+            for line in path.read_text().splitlines():
+                try:
+                    cases.append(json.loads(line))
+                except json.JSONDecodeError:  # a process killed while writing its last line
+                    print(f"{path}: skipped a line that is not JSON: {line[:80]!r}")
         else:
             cases = [{"name": b["name"], "median_s": b["stats"]["median"], "extra_info": b.get("extra_info", {})}
                      for b in json.loads(path.read_text())["benchmarks"]]

@@ -76,6 +76,7 @@ def test_residual_sample_by_rows_matches_reference(case, monkeypatch):
     V is 1000, so the windows shift), an empty residual row (p = q samples q), the kernel checked launched."""
     N, V, T, k, bv = case
     monkeypatch.setattr(residual_rows, "ROWS", True)
+    monkeypatch.setattr(residual_rows, "num_sms", lambda device: 4)  # a row per SM also on a 132-SM GPU
     monkeypatch.setattr(vocab, "TILE", 256)
     calls = []
     real = residual_rows.residual_masses_rows
@@ -92,6 +93,7 @@ def test_residual_sample_by_rows_matches_reference(case, monkeypatch):
 
 def test_rows_compile_once_over_row_counts_and_strides(monkeypatch):
     monkeypatch.setattr(residual_rows, "ROWS", True)
+    monkeypatch.setattr(residual_rows, "num_sms", lambda device: 4)  # a row per SM also on a 132-SM GPU
     g = torch.Generator().manual_seed(2)
     with count_variants() as v:
         for N, stride in ((4, 7), (5, 7), (16, 9), (33, 7), (7, 16)):
