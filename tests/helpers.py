@@ -172,6 +172,14 @@ def triton_device() -> str:
     return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 
 
+def inner_strided(t: torch.Tensor, fill=-7) -> torch.Tensor:
+    """``t``'s values on :func:`triton_device` in a view whose last dimension has stride 2 (the elements between
+    them ``fill``): the layouts a launcher must copy before its kernel reads them."""
+    full = torch.full((*t.shape[:-1], 2 * t.shape[-1]), fill, dtype=t.dtype, device=triton_device())
+    full[..., ::2] = t.to(full.device)
+    return full[..., ::2]
+
+
 def on_triton_device(fn):
     """``fn`` with its tensor arguments moved to :func:`triton_device` and its tensor results moved back
     to the first argument's device, so that the CPU-built kernel tests also run compiled on a GPU. An

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import count_variants, on_triton_device
+from helpers import count_variants, on_triton_device, triton_device
 from sigmafast.kernels import attention
 from sigmafast.kernels import reference as ref
 
@@ -133,11 +133,12 @@ def test_strided_inputs_and_scale():
     assert _rel_err(out, ref.verify_attention(qo, ko, vo, kc, vc, lens, scale=0.3)) <= 1e-4
 
 
-def test_fp16_inputs():
+@pytest.mark.parametrize("D", [64, 128], ids=["D64", "D128"])
+def test_fp16_inputs(D):
     """The 16-bit path (P cast to fp16 for the P·V dot) in the interpreter, against the fp32
-    reference on the same rounded inputs. (The interpreter's bf16 tl.dot is not usable: bf16
-    runs only in the GPU tests.)"""
-    B, H, R, D, O = 2, 2, 20, 64, 3
+    reference on the same rounded inputs, at both 16-bit tilings (head dim up to 64, and above). (The
+    interpreter's bf16 tl.dot is not usable: bf16 runs only in the GPU tests.)"""
+    B, H, R, O = 2, 2, 20, 3
     q, k, v, kc, vc, lens = _inputs((B, O, H, R, D), B, H, D, "ragged", seed=9, dtype=torch.float16)
     f32 = [t.float() for t in (q, k, v, kc, vc)]
     out = verify_attention(q, k, v, kc, vc, lens, num_splits=2)
@@ -207,3 +208,19 @@ def test_gpu_realistic_shapes(dtype):
     out = verify_attention(q, k, v, kc[1:], vc[1:], lens[1:])
     want = ref.verify_attention(*(t.float() for t in (q, k, v, kc[1:], vc[1:])), lens[1:])
     assert _rel_err(out, want) <= GPU_TOL[dtype]
+
+
+def test_inputs_and_out_of_any_strides_are_copied():
+    """A head-dim stride other than 1 (q, out), strides that are not multiples of 16 with D = 32 (k, the
+    caches): the launcher copies such inputs and writes the result back into such an ``out``."""
+    g = torch.Generator().manual_seed(6)
+    B, H, R, D, L = 2, 3, 5, 32, 70
+    dev = triton_device()
+    q = torch.randn(B, H, D, R, generator=g).to(dev).transpose(-1, -2)  # head-dim stride R
+    k = torch.randn(B, H, R, D + 3, generator=g).to(dev)[..., :D]  # rows D + 3 apart
+    v = torch.randn(B, H, R, D, generator=g).to(dev)
+    kc, vc = (torch.randn(B, H, L, D + 1, generator=g).to(dev)[..., :D] for _ in range(2))
+    lens = torch.tensor([0, 37], device=dev)
+    out = torch.full((B, H, D, R), float("nan"), device=dev).transpose(-1, -2)
+    attention.burst_attention(q, k, v, kc, vc, lens, out=out)
+    assert _rel_err(out.cpu(), ref.burst_attention(*(t.cpu() for t in (q, k, v, kc, vc, lens)))) <= 1e-4

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import triton_device
+from helpers import inner_strided, triton_device
 from sigmafast.kernels import commit_step
 from sigmafast.kernels import reference as ref
 
@@ -262,3 +262,39 @@ def test_commit_rejects_bad_inputs(bad, match):
         (args if k in args else state)[k] = v
     with pytest.raises(ValueError, match=match):
         commit_step.commit(*args.values(), **state)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_commit_status_counts_rows_with_exactly_one_position_left(case, monkeypatch):
+    """Rows left with 0, 1 and 2 unknown positions after the commit: the status counts the rows with one or
+    more (a row with one left dropped from the batch would never finish)."""
+    args, state = _state(case, 1, torch.float32)
+    orders, choice, n = (t.cpu() for t in args[:3])
+    known = torch.ones_like(state["known"], device="cpu")
+    for b in range(known.shape[0]):
+        known[b, orders[b, choice[b], :n[b]]] = False  # written by this commit
+        spare = [t for t in range(known.shape[1]) if known[b, t]][: b % 3]  # then b % 3 positions stay unknown
+        known[b, spare] = False
+    state["known"] = known.to(DEVICE)
+    flag = torch.tensor(False, device=DEVICE)
+    want, got = _copy(state), _copy(state)
+    s_want, s_got = (torch.tensor([10**6, 10**6, 7], device=DEVICE) for _ in range(2))
+    ref.commit(*args, **want, flag=flag, status=s_want)
+    with monkeypatch.context() as m:
+        m.setattr(commit_step.reference, "burst_status", None)
+        commit_step.commit(*args, **got, flag=flag, status=s_got)
+    left = (~want["known"]).sum(1).cpu()
+    assert s_want.tolist() == [int(left.max()), int((left > 0).sum()), 0]
+    assert torch.equal(s_got.cpu(), s_want.cpu()), f"{s_got.tolist()} != {s_want.tolist()}"
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=_ids)
+def test_commit_reads_keys_and_values_strided_along_the_head_dim(case):
+    args, state = _state(case, 0, torch.float32)
+    orders, choice, n, tokens, keys, values = args
+    want, got = _copy(state), _copy(state)
+    ref.commit(*args, **want)
+    commit_step.commit(orders, choice, n, tokens, inner_strided(keys), inner_strided(values), **got)
+    for name in ("k_cache", "v_cache"):
+        torch.testing.assert_close(got[name][..., :T, :].cpu(), want[name][..., :T, :].cpu(), rtol=0, atol=0,
+                                   equal_nan=True, msg=name)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device, triton_device
+from helpers import inner_strided, on_triton_device, triton_device
 from sigmafast.kernels import decide as decide_module
 from sigmafast.kernels import reference as ref
 
@@ -173,3 +173,17 @@ def test_decide_reads_each_input_with_its_own_strides(case, mode, poisoned_empty
         got = decide_module.decide(*views, temperature, "lossless")
         for name in want._fields:
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("mode", ["sample", "greedy"])
+@pytest.mark.parametrize("case", CASES[1:3], ids=_ids)
+def test_decide_reads_inputs_strided_along_the_steps(case, mode, poisoned_empty):
+    greedy = mode == "greedy"
+    temperature = 0.0 if greedy else 0.9
+    scores, drafts, draft_logp, uniforms, lengths = _inputs(case, 0, greedy)
+    want = ref.decide(scores, drafts, draft_logp, uniforms, lengths, temperature, "lossless")
+    dev = triton_device()
+    got = decide_module.decide(inner_strided(scores), inner_strided(drafts), draft_logp.to(dev),
+                               inner_strided(uniforms), lengths.to(dev), temperature, "lossless")
+    for name in want._fields:
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name

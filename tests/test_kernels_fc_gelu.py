@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import sigmafast
-from helpers import count_variants, engine_tokens_and_kernels, on_triton_device, tiny_model, triton_device
+from helpers import (count_variants, engine_tokens_and_kernels, inner_strided, on_triton_device, tiny_model,
+                     triton_device)
 from sigmafast.kernels import fc_gelu
 from sigmafast.kernels import reference_layers as ref
 
@@ -88,3 +90,26 @@ def test_engine_with_fused_gelu_launches_it_and_keeps_the_tokens():
     assert torch.equal(fused, plain)
     with pytest.raises(TypeError, match="fused_gelu must be a bool"):
         sigmafast.Engine(model, fused_gelu=1)
+
+
+def test_linear_gelu_of_rows_strided_along_k(poisoned_empty):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 24, generator=g)
+    w, b = torch.randn(40, 24, generator=g) / 24**0.5, torch.randn(40, generator=g)
+    got = fc_gelu.linear_gelu(inner_strided(x), w.to(DEVICE), b.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), ref.linear_gelu(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_gelu_rounds_the_matmul_to_float16_before_the_gelu(poisoned_empty):
+    """As eager ``F.gelu(F.linear(x, w))`` in float16: the exact products rounded once to float16, then the
+    GELU (float32) rounded; a float32 erf may differ by an ulp, so at most 1% of the values may differ."""
+    g = torch.Generator().manual_seed(1)
+    N, K, Fo = 33, 32, 40
+    x = ((torch.randn(N, K, generator=g) * 600).round().clamp(-2000, 2000) / 4096).half()  # exact in float16
+    w = torch.randint(-1, 2, (Fo, K), generator=g).half()  # pre-activations of about +-3, multiples of 2^-12
+    got = linear_gelu(x, w, None)
+    pre = F.linear(x.float(), w.float())
+    want = F.gelu(pre.half().float()).half()
+    assert (pre != pre.half().float()).any()  # the rounding matters here
+    differ = got != want
+    assert differ.float().mean() <= 0.01, f"{int(differ.sum())} of {differ.numel()} differ"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device
+from helpers import inner_strided, on_triton_device
 from sigmafast.kernels import layer_norm
 from sigmafast.kernels import reference_layers as ref
 
@@ -89,3 +89,12 @@ def test_add_layer_norm_rejects_bad_inputs(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         layer_norm.add_layer_norm(**args)
+
+
+def test_add_layer_norm_of_rows_strided_along_c(poisoned_empty):
+    g = torch.Generator().manual_seed(2)
+    x, y = (torch.randn(9, 24, generator=g) for _ in range(2))
+    s, h = layer_norm.add_layer_norm(inner_strided(x), inner_strided(y), None, None, 1e-5)
+    want_s, want_h = ref.add_layer_norm(x, y, None, None, 1e-5)
+    assert torch.equal(s.cpu(), want_s)
+    torch.testing.assert_close(h.cpu(), want_h, rtol=1e-5, atol=1e-5)

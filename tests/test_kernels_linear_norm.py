@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import sigmafast
 from helpers import (count_variants, engine_tokens_and_kernels, on_triton_device, record_block_linears, tiny_model,
@@ -282,3 +283,18 @@ def test_engine_without_fused_ends_keeps_the_matmuls_and_the_tokens():
     assert torch.equal(fused, plain)
     with pytest.raises(TypeError, match="fused_ends must be a bool"):
         sigmafast.Engine(model, fused_ends=1)
+
+
+def test_linear_add_norm_rounds_the_projection_to_float16_before_the_add(poisoned_empty):
+    """Exact products (quarters times small integers), sums past float16's 11 bits: the kernel's residual sum
+    is eager's ``x + linear(y)`` bit for bit, the projection rounded to float16 before the add."""
+    g = torch.Generator().manual_seed(0)
+    N, C, K = 17, 24, 32
+    x = ((torch.randn(N, C, generator=g) * 8).round() / 4).half()
+    y = ((torch.randn(N, K, generator=g) * 400).round().clamp(-2000, 2000) / 4).half()
+    w = torch.randint(-3, 4, (C, K), generator=g).half()
+    s, _ = on_triton_device(linear_norm.linear_add_norm)(x, y, w, None, None, None, 1e-5)
+    exact = F.linear(y.float(), w.float())
+    proj = exact.half()  # eager's one rounding
+    assert (exact != proj.float()).any()  # the rounding matters here
+    assert torch.equal(s, (x.float() + proj.float()).half())

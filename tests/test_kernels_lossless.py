@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import on_triton_device, triton_device
+from helpers import inner_strided, on_triton_device, triton_device
 from sigmafast.kernels import lossless
 from sigmafast.kernels import reference as ref
 
@@ -132,3 +132,12 @@ def test_lossless_step_draws_the_residual_from_rows_of_one_stride(monkeypatch):
         canvases.append(session.canvas.cpu())
     assert seen[0] == ((16, 1), (16, 1))  # the Triton path: both rows views of 16-wide head rows
     assert torch.equal(canvases[0], canvases[1])
+
+
+def test_residual_pick_reads_rows_strided_along_the_vocabulary(poisoned_empty):
+    n, remaining, orders, slots, u, drafts, verifier = _inputs((3, 5, 9), 0)
+    want = ref.residual_pick(n, remaining, orders, slots, u, drafts, verifier)
+    dev = [t.to(triton_device()) for t in (n, remaining, orders, slots, u)]
+    got = lossless.residual_pick(*dev, inner_strided(drafts), inner_strided(verifier))
+    for name, g, w in zip(PICKED, got, want, strict=True):
+        assert torch.equal(g.cpu(), w), name

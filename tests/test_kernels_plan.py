@@ -93,3 +93,15 @@ def test_autoregressive_tokens_read_the_plan_with_one_kernel():
     ar = steps.ar_plan(visit, torch.rand(2, 10, dtype=torch.float64).to(DEVICE), torch.tensor([2, 2]).to(DEVICE))
     now = kernels.plan_step(ar.steps, ar.step, backend="triton")
     assert now[steps.AR_POS].tolist() == [2, 2] and now[steps.AR_LIVE].tolist() == [1, 1] and ar.step.item() == 1
+
+
+def test_plan_step_of_a_plan_strided_along_t(poisoned_empty):
+    """A (W, B, T) plan whose steps are not adjacent (a T-major buffer, permuted): copied before the kernel
+    reads it."""
+    W, B, T = 4, 3, 9
+    table = torch.randint(-(2**40), 2**40, (T, W, B), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    table = table.permute(1, 2, 0)  # strides (B, 1, W * B)
+    step = torch.zeros((), dtype=torch.long, device=DEVICE)
+    for s in range(T):
+        assert torch.equal(plan.plan_step(table, step).cpu(), table[:, :, s].cpu()), s
+    assert step.item() == T

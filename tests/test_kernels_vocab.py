@@ -341,3 +341,13 @@ def test_occupancy_falls_back_when_triton_internals_move():
 
     with pytest.raises(RuntimeError, match="compilation failed"):
         measured_or_fallback(broken, "k")
+
+
+def test_draft_logq_of_strided_drafts(poisoned_empty):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 300, generator=g)
+    d = torch.randint(0, 300, (9,), generator=g)
+    drafts = torch.stack([d, torch.full_like(d, 10**6)], 1).to(triton_device())[:, 0]  # stride 2
+    got = accept.draft_logq(x.to(drafts.device), drafts, 0.9, None, 64)
+    want = ref.log_probs(x, 0.9, None).gather(-1, d[:, None]).squeeze(-1)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5)

@@ -52,9 +52,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
     ],
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
-         "other-arch", "other-seq-len", "other-task", "other-objective", "other-heads", "nan-weight-decay", "inf-lr", "huge-seq-len",
-         "huge-model", "curriculum-start-random", "curriculum-start-diffusion", "curriculum-iters-random",
-         "diffusion-noise-sigma", "lr-decay-below-warmup", "negative-seed", "huge-seed", "cuda-without-cuda"],
+         "other-arch", "other-seq-len", "other-task", "other-objective", "other-heads", "nan-weight-decay", "inf-lr",
+         "huge-seq-len", "huge-model", "curriculum-start-random", "curriculum-start-diffusion",
+         "curriculum-iters-random", "diffusion-noise-sigma", "lr-decay-below-warmup", "negative-seed", "huge-seed",
+         "cuda-without-cuda"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):
     script = load_script()
