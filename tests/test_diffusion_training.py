@@ -75,7 +75,7 @@ def test_checkpoint_round_trip_and_wrong_objective(tmp_path, noise):
         assert torch.equal(p, q), name
     with pytest.raises(TypeError, match="sigmafast.diffusion.generate"):
         sigmafast.generate(model, torch.zeros(1, 0, dtype=torch.long), 12)
-    with pytest.raises(ValueError, match="objective: checkpoint 'diffusion'"):
+    with pytest.raises(ValueError, match="the checkpoint's run has objective 'diffusion', and a resumed run keeps it"):
         train(diffusion_cfg(tmp_path, objective="sigma", resume=True))
     resumed = train(diffusion_cfg(tmp_path, diffusion_noise=noise, max_iters=6, resume=True))
     assert [h["iter"] for h in resumed.history] == [0, 2, 4, 6]
@@ -110,7 +110,7 @@ def test_checkpoint_without_objective_loads_as_sigma(tmp_path):
     assert isinstance(model, sigmafast.SigmaGPT) and cfg.objective == "sigma"
     with pytest.raises(TypeError, match="needs a DiffusionGPT"):
         diffusion.generate(model, torch.zeros(1, 0, dtype=torch.long), 12)
-    with pytest.raises(ValueError, match="objective: checkpoint 'sigma'"):
+    with pytest.raises(ValueError, match="the checkpoint's run has objective 'sigma', and a resumed run keeps it"):
         train(diffusion_cfg(tmp_path, resume=True))
 
 

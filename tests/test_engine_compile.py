@@ -20,14 +20,28 @@ def model():
     return tiny_model(VOCAB, T, seed=3, std=0.5, dtype=torch.float32)
 
 
-def _burst_run(model, step, backend, rule, num_orders, B=4, R=T):
+def _recording(seen: set):
+    """aot_eager, noting the ops of each graph dynamo hands it (the custom ops appear as ``sigmafast.*``)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    return backend
+
+
+BURST_OPS = {"sigmafast.draft_slots", "sigmafast.sample", "sigmafast.gather_drafts", "sigmafast.burst_attention",
+             "sigmafast.verify_attention", "sigmafast.decide"}
+
+
+def _burst_run(model, step, backend, rule, num_orders, B=4, R=T, temperature=0.9, top_k=None):
     """Three burst iterations of ``step`` from the same state and draws; the final canvas and outputs."""
     canvas = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
     known = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 0.3
     session = NeuralSession(model, B, T, backend)
     session.prefill(canvas, known)
     g = torch.Generator().manual_seed(5)
-    outs = [step(session, draw_burst(g, B, num_orders, T, "cpu"), R, 0.9, None, rule) for _ in range(3)]
+    outs = [step(session, draw_burst(g, B, num_orders, T, "cpu"), R, temperature, top_k, rule) for _ in range(3)]
     return session.canvas.clone(), session.known.clone(), outs
 
 
@@ -47,15 +61,20 @@ def _ar_run(model, step, backend, B=3):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("rule,num_orders", [("paper", 3), ("lossless", 1)])
-def test_burst_step_compiles_without_graph_breaks(model, backend, rule, num_orders):
+@pytest.mark.parametrize("rule,num_orders,temperature,top_k", [("paper", 3, 0.9, None), ("lossless", 1, 0.9, None),
+                                                             ("lossless", 1, 0.8, 3), ("paper", 3, 0.0, None)])
+def test_burst_step_compiles_without_graph_breaks(model, backend, rule, num_orders, temperature, top_k):
     """fullgraph=True raises on any graph break: no host read, no data-dependent shape, the Triton
     kernels traced as custom ops. aot_eager traces and functionalises like inductor, without codegen."""
     torch._dynamo.reset()
-    compiled = torch.compile(steps.burst_step, fullgraph=True, backend="aot_eager")
+    seen = set()
+    compiled = torch.compile(steps.burst_step, fullgraph=True, backend=_recording(seen))
     with torch.no_grad():
-        want = _burst_run(model, steps.burst_step, backend, rule, num_orders)
-        got = _burst_run(model, compiled, backend, rule, num_orders)
+        want = _burst_run(model, steps.burst_step, backend, rule, num_orders, temperature=temperature, top_k=top_k)
+        got = _burst_run(model, compiled, backend, rule, num_orders, temperature=temperature, top_k=top_k)
+    ops = {op for op in seen if op.startswith("sigmafast.")}
+    want_ops = BURST_OPS | ({"sigmafast.residual_pick", "sigmafast.residual_sample"} if rule == "lossless" else set())
+    assert ops >= want_ops if backend == "triton" else not ops, ops  # the Triton kernels traced, as custom ops
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for o_got, o_want in zip(got[2], want[2]):
         for a, b in zip(o_got, o_want):
@@ -78,10 +97,13 @@ def test_rotary_burst_step_compiles_without_graph_breaks(backend, pos_encoding):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_ar_step_compiles_without_graph_breaks(model, backend):
     torch._dynamo.reset()
-    compiled = torch.compile(steps.ar_step, fullgraph=True, backend="aot_eager")
+    seen = set()
+    compiled = torch.compile(steps.ar_step, fullgraph=True, backend=_recording(seen))
     with torch.no_grad():
         want = _ar_run(model, steps.ar_step, backend)
         got = _ar_run(model, compiled, backend)
+    want_ops = {"sigmafast.sample", "sigmafast.verify_attention"} if backend == "triton" else set()
+    assert {op for op in seen if op.startswith("sigmafast.")} == want_ops
     assert want[1].all()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

@@ -172,13 +172,31 @@ def test_generate_compiles_each_kernel_at_most_twice(pos_encoding, options):
         (*_infill(3, 36, [30, 33, 34], seed=2), None, dict(acceptance="lossless", num_orders=1)),
         (torch.randint(0, 7, (2, 3)), None, 8, dict(temperature=0.0, acceptance="paper", num_orders=2)),
         (torch.randint(0, 7, (3, 1)), None, 6, dict(strategy="autoregressive", temperature=0.8)),
+        # R = 32 (a multiple of 16, as every bucket but the cap), one row and one order (N = 1 rows),
+        # and autoregressive plans of other batch sizes and lengths (B = 1, T % 16 == 0)
+        (torch.randint(0, 7, (2, 8)), None, 32, dict(acceptance="lossless", num_orders=1)),
+        (*_infill(1, 12, [11], seed=3), None, dict(temperature=0.0, acceptance="paper", num_orders=1)),
+        (torch.randint(0, 7, (1, 4)), None, 12, dict(strategy="autoregressive", top_k=3)),
+        (torch.randint(0, 7, (2, 0)), None, 16, dict(strategy="autoregressive")),
     ]
-    with count_variants() as v, kernels.use_backend("triton"):
+
+    def run(engine, seed0, extra_rows=0):
         for i, (idx, known, new, kwargs) in enumerate(calls):
-            g = torch.Generator(device=DEVICE).manual_seed(i)
+            g = torch.Generator(device=DEVICE).manual_seed(seed0 + i)
+            if extra_rows:  # other batch sizes: the first row repeated
+                idx = torch.cat([idx, idx[:1].expand(extra_rows, -1)])
+                known = None if known is None else torch.cat([known, known[:1].expand(extra_rows, -1)])
             idx, known = idx.to(DEVICE), None if known is None else known.to(DEVICE)
             out = sigmafast.generate(engine, idx, new, known=known, generator=g, **kwargs)
             assert out.shape == (idx.shape[0], idx.shape[1] + (new or 0))
+
+    with count_variants() as v, kernels.use_backend("triton"):
+        run(engine, 0)
+        warm = {name: set(keys) for name, keys in v.keys.items()}
+        if not options:  # warm: other seeds, batch sizes and the bucketed shapes (the GPU default) compile nothing
+            run(sigmafast.Engine(model, buckets=True), 100, extra_rows=1)
+            new_keys = {name: keys - warm.get(name, set()) for name, keys in v.keys.items()}
+            assert not any(new_keys.values()), f"new variants once warm: {new_keys}"
     _assert_bounded(v, ["_cascade_attn_kernel", "_combine_kernel", "_chunk_stats_kernel", "_residual_mass_kernel",
                         "_sample_kernel", "_residual_kernel", "_commit_kv_kernel", "_commit_state_kernel",
                         "_decide_kernel", "_feed_embedding_kernel", "_flag_nonfinite_kernel", "_gather_drafts_kernel",
