@@ -68,6 +68,9 @@ def run(args: EvalArgs) -> int:
     from sigmafast.series_eval import evaluate_prompted, markdown_table
 
     model, task, train_cfg = load_checkpoint(args.checkpoint, device=args.device)
+    if train_cfg.objective == "diffusion":
+        raise ValueError(f"--checkpoint {args.checkpoint} holds a diffusion model: eval_series.py samples σ-GPT "
+                         f"checkpoints autoregressively in --orders, and has no diffusion mode")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     results = evaluate_prompted(model, task, args.fraction_list(), args.order_list(), args.samples_per_sequence,
                                 args.num_sequences, generator, temperature=args.temperature)

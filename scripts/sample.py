@@ -12,7 +12,9 @@ Every flag is a field of :class:`SampleArgs`. Three modes:
   For the other tasks the template is whitespace-separated token ids and ``_``
   (``"3 _ _ 7"``), or, without spaces, one token per character (``"01__1"``) when
   every data id is one digit (step, product, maze); for the others ``"421"``
-  is the one id 421.
+  is the one id 421. On value tasks (``series``, ``vertical_rate``) the ids are
+  bins (and, for ``vertical_rate``, an aircraft type first), not values: the
+  printed samples are values, the bins' centres.
   A template shorter than ``--length`` (the task's length by default) is padded
   with unknown positions.
 
@@ -48,7 +50,9 @@ class SampleArgs:
     device: str = field(default="cpu", metadata={"help": "torch device"})
     num_samples: int = field(default=1, metadata={"help": "rows sampled in one batch"})
     prompt: Optional[str] = field(default=None, metadata={"help": "text prompt (text tasks)"})
-    infill: Optional[str] = field(default=None, metadata={"help": "infilling template, '_' = unknown token"})
+    infill: Optional[str] = field(default=None, metadata={
+        "help": "infilling template, '_' = unknown token; for tasks other than text ones, token ids (value tasks: "
+                "bin ids, not values)"})
     length: Optional[int] = field(default=None, metadata={"help": "infilling canvas length (task length)"})
     max_new_tokens: Optional[int] = field(default=None, metadata={"help": "new tokens (task length - prompt)"})
     strategy: str = field(default="burst", metadata={"choices": STRATEGIES, "help": "sampling strategy"})

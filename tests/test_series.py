@@ -373,3 +373,12 @@ def test_eval_series_script_rejects_a_seed_out_of_range(seed, capsys, tmp_path):
     script = eval_series_script()  # checked before the checkpoint is read, as scripts/sample.py does
     assert script.main(["--checkpoint", str(tmp_path / "ckpt.pt"), "--seed", seed]) == 2
     assert f"--seed must be in [0, 2**63), got {seed}" in capsys.readouterr().err
+
+
+def test_eval_series_script_refuses_a_diffusion_checkpoint(tmp_path, ramp_csv, capsys):
+    cfg = TrainConfig(task="series", csv=str(ramp_csv), column="value", seq_len=8, preset="tiny", max_iters=1,
+                      batch_size=4, eval_interval=1, eval_iters=1, log_interval=1, objective="diffusion",
+                      out_dir=str(tmp_path / "run"))
+    path = train(cfg).checkpoint_path
+    assert eval_series_script().main(["--checkpoint", str(path), "--num-sequences", "2"]) == 2
+    assert "holds a diffusion model: eval_series.py samples σ-GPT checkpoints" in capsys.readouterr().err
