@@ -230,9 +230,10 @@ def stored_objective(ckpt: dict) -> tuple[str, Optional[DiffusionConfig]]:
 
 
 def stored_train_config(ckpt: dict) -> dict:
-    """The checkpoint's TrainConfig fields. Runs shorter than their warm-up once stored ``lr_decay_iters =
-    max_iters < warmup_iters``, which :func:`~sigmafast.optim.learning_rate` reads as ``lr_decay_iters =
-    warmup_iters`` (all warm-up, then ``min_lr``): it reads as that, which the config's checks take."""
+    """The checkpoint's TrainConfig fields. Older versions stored ``lr_decay_iters = max_iters < warmup_iters``
+    for a run shorter than its warm-up, which the config now refuses; :func:`~sigmafast.optim.learning_rate`
+    gives it the schedule of ``lr_decay_iters = warmup_iters`` (all warm-up, then ``min_lr``), so it is read
+    as that."""
     d = dict(ckpt["train_config"])
     if None not in (d.get("lr_decay_iters"), d.get("warmup_iters")) and d["lr_decay_iters"] < d["warmup_iters"]:
         d["lr_decay_iters"] = d["warmup_iters"]

@@ -20,7 +20,7 @@ def test_wilson_interval_known_values():
 
 @pytest.mark.parametrize("df,want", [(1, 12.706205), (2, 4.302653), (3, 3.182446), (4, 2.776445), (5, 2.570582),
                                      (9, 2.262157), (10, 2.228139), (29, 2.045230), (49, 2.009575),
-                                     (1000, 1.962339)])
+                                     (1000, 1.962339), (1001, 1.962337), (100_000, 1.959988)])
 def test_t_quantile_matches_the_tables(df, want):
     """Two-sided 95% quantiles of Student's t (the standard tables, six decimals)."""
     assert t_quantile(0.95, df) == pytest.approx(want, abs=2e-6)
