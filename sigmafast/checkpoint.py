@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 import zipfile
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
@@ -52,7 +51,7 @@ def atomic_save(obj, path) -> Path:
 def check_writable(folder) -> None:
     """Create and remove a temporary file in ``folder``; the ``OSError`` when that fails (a read-only or
     special folder), so that a run fails at start rather than at its first checkpoint."""
-    probe = Path(folder) / f".write-test.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    probe = temp_path(Path(folder) / "write-test")
     with open(probe, "xb"):
         pass
     os.unlink(probe)

@@ -26,7 +26,7 @@ def pid_alive(pid: int) -> bool:
     except (ProcessLookupError, OverflowError):  # gone, or a pid no process can have
         return False
     except OSError:  # alive, but another user's
-        return True
+        pass
     return True
 
 
