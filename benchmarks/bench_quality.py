@@ -12,9 +12,12 @@ Validity is the task's own metric (``task.evaluate``) over ``n`` sequences, with
 Wilson score interval; iterations are per sequence (mean over rows): one model call
 each for AR, two (draft + verify) for burst. AR and lossless sample the same law (the
 model's random-order autoregressive law), so their validities must agree; this is
-tested (two-proportion z-test), the paper rule is only reported.
+tested on the validity (two-proportion z-test) and on the mean number of distinct tokens per sequence
+(two-sample z-test), which still tells the laws apart where a budget model's validity is 0%; the paper rule
+is only reported.
 
-Sizes: 256 sequences per figure on a CPU; ``SIGMAFAST_BENCH_FULL=1``: 2000, with the full-size models;
+Sizes: 1000 sequences per figure on a CPU (about 3 minutes on 2 cores); ``SIGMAFAST_BENCH_FULL=1``: 2000,
+with the full-size models;
 ``SIGMAFAST_BENCH_SAMPLES=N``: N, with the budget's own models. The table is printed (markdown) and stored in
 ``benchmark.extra_info["rows"]``.
 """
@@ -31,7 +34,7 @@ import sigmafast
 from sigmafast.intervals import wilson_interval
 from _common import bench_full, device_info, primary_metric, sample_count, synchronize
 
-SAMPLES = sample_count(2000 if bench_full() else 256)
+SAMPLES = sample_count(2000 if bench_full() else 1000)
 CHUNK = 256  # sequences per generate call
 METHODS = {
     "AR": dict(strategy="autoregressive"),
@@ -56,6 +59,21 @@ def two_proportion_p_value(k1: int, n1: int, k2: int, n2: int) -> float:
     return math.erfc(z / math.sqrt(2))
 
 
+def two_mean_p_value(m1: float, sd1: float, n1: int, m2: float, sd2: float, n2: int) -> float:
+    """Two-sided p-value of the two-sample z-test of equal means (unpooled variances; 1.0 when both samples are
+    constant and equal, 0.0 when constant and different)."""
+    se = math.sqrt(sd1 ** 2 / n1 + sd2 ** 2 / n2)
+    if se == 0:
+        return 1.0 if m1 == m2 else 0.0
+    return math.erfc(abs(m1 - m2) / se / math.sqrt(2))
+
+
+def distinct_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 number of distinct tokens in each row of ``tokens`` (B, T)."""
+    s = tokens.sort(dim=1).values
+    return 1.0 + (s[:, 1:] != s[:, :-1]).sum(dim=1).double()
+
+
 @dataclass
 class QualityRow:
     method: str
@@ -64,6 +82,8 @@ class QualityRow:
     iterations: float  # mean per sequence
     low: float
     high: float
+    distinct: float  # mean number of distinct tokens per sequence
+    distinct_sd: float  # its standard deviation over sequences
 
     @property
     def rate(self) -> float:
@@ -71,12 +91,13 @@ class QualityRow:
 
     def markdown(self) -> str:
         ci = f"{100 * self.rate:.1f}% [{100 * self.low:.1f}, {100 * self.high:.1f}]"
-        return f"| {self.method} | {ci} | {self.iterations:.2f} | {self.n} |"
+        half = 1.96 * self.distinct_sd / math.sqrt(self.n)
+        return f"| {self.method} | {ci} | {self.distinct:.2f} ± {half:.2f} | {self.iterations:.2f} | {self.n} |"
 
 
 def measure(model, task, method: str, n: int, device: torch.device) -> QualityRow:
     """Sample ``n`` sequences around the task's prompt with ``METHODS[method]``, in chunks of ``CHUNK``."""
-    valid, iterations = 0, 0.0
+    valid, iterations, distinct = 0, 0.0, []
     for start in range(0, n, CHUNK):
         rows = min(CHUNK, n - start)
         canvas = task.sample_batch(rows, "val", torch.Generator().manual_seed(start)).to(device)
@@ -92,17 +113,29 @@ def measure(model, task, method: str, n: int, device: torch.device) -> QualityRo
             raise AssertionError(f"task {task.name} has no validity metric")
         valid += round(value * rows)  # the metric is a mean over rows
         iterations += float(stats.iterations.double().sum())
-    return QualityRow(method, valid, n, iterations / n, *wilson_interval(valid, n))
+        distinct.append(distinct_tokens(tokens.cpu()))
+    d = torch.cat(distinct)
+    sd = float(d.std()) if n > 1 else 0.0
+    return QualityRow(method, valid, n, iterations / n, *wilson_interval(valid, n), float(d.mean()), sd)
 
 
 def markdown_table(title: str, rows: list[QualityRow]) -> str:
-    lines = [f"**{title}**", "", "| method | valid % [95% CI] | iterations | n |", "|---|---|---|---|"]
+    lines = [f"**{title}**", "", "| method | valid % [95% CI] | distinct tokens [95% CI] | iterations | n |",
+             "|---|---|---|---|---|"]
     return "\n".join(lines + [r.markdown() for r in rows])
 
 
 def test_two_proportion_p_value_known_values():
     assert abs(two_proportion_p_value(50, 100, 50, 100) - 1.0) < 1e-12
     assert abs(two_proportion_p_value(60, 100, 40, 100) - 0.004677734981047) < 1e-9
+
+
+def test_two_mean_p_value_and_distinct_tokens():
+    assert abs(two_mean_p_value(1.0, 2.0, 100, 1.0, 3.0, 50) - 1.0) < 1e-12
+    assert abs(two_mean_p_value(0.0, 3.0, 100, 1.0, 4.0, 100) - 0.045500263896358) < 1e-9
+    assert two_mean_p_value(2.0, 0.0, 10, 2.0, 0.0, 10) == 1.0 and two_mean_p_value(2.0, 0.0, 10, 3.0, 0.0, 10) == 0.0
+    rows = torch.tensor([[3, 1, 3, 3], [0, 1, 2, 3], [5, 5, 5, 5]])
+    assert distinct_tokens(rows).tolist() == [2.0, 4.0, 1.0]
 
 
 @pytest.mark.parametrize("model_name", ["step", "permutation"])
@@ -132,3 +165,6 @@ def test_quality(benchmark, capsys, model_name, models, device):
         ra, rb = by_method[a], by_method[b]
         p = two_proportion_p_value(ra.valid, ra.n, rb.valid, rb.n)
         assert p > 1e-3, f"{a} and {b} sample the same law, yet validity {ra.rate:.3f} vs {rb.rate:.3f} (p={p:.2g})"
+        p = two_mean_p_value(ra.distinct, ra.distinct_sd, ra.n, rb.distinct, rb.distinct_sd, rb.n)
+        assert p > 1e-3, (f"{a} and {b} sample the same law, yet {ra.distinct:.3f} vs {rb.distinct:.3f} distinct "
+                          f"tokens per sequence (p={p:.2g})")

@@ -156,6 +156,15 @@ def other_table(benchmarks: list[dict]) -> str:
     return table(["benchmark", "mean ms", "figures"], rows) if rows else ""
 
 
+def small_sample_note(entries: list[dict], minimum: int = 1000) -> list[str]:
+    """Markdown lines flagging a table whose figures come from fewer than ``minimum`` sequences (a budget run)."""
+    n = min((e["n_sequences"] for e in entries if "n_sequences" in e), default=None)
+    if n is None or n >= minimum:
+        return []
+    return [f"(Budget run: {n} sequences per row, below the {minimum} that quality figures need; "
+            f"`SIGMAFAST_BENCH_SAMPLES={minimum}` sets them.)", ""]
+
+
 def device_title(machine: dict) -> str:
     device = machine.get("sigmafast_device", machine.get("cpu", {}).get("brand_raw", "unknown device"))
     threads = machine.get("torch_threads")
@@ -174,7 +183,7 @@ def markdown(machine: dict, benchmarks: list[dict]) -> str:
     ]
     for title, fn, entries in sections:
         if entries:
-            parts += [f"#### {title}", "", fn(entries), ""]
+            parts += [f"#### {title}", "", fn(entries), ""] + small_sample_note(entries)
     other = other_table(benchmarks)
     if other:
         parts += ["#### Other benchmarks (kernels)", "", other, ""]

@@ -303,6 +303,11 @@ def sample_script():
     return _script("sample.py", "sigmafast_sample_script")
 
 
+def plot_script():
+    """scripts/plot_benchmarks.py as a module (its ``markdown``, ``load``, ``small_sample_note``)."""
+    return _script("plot_benchmarks.py", "sigmafast_plot_script")
+
+
 def eval_series_script():
     """scripts/eval_series.py as a module (its ``main(argv)``)."""
     return _script("eval_series.py", "sigmafast_eval_series_script")
