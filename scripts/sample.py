@@ -134,7 +134,7 @@ def parse_template(template: str, task, length: int) -> tuple[torch.Tensor, torc
             if item == UNKNOWN:
                 tokens.append(0)
                 known.append(False)
-            elif item.isdigit():
+            elif item.isdecimal():  # not isdigit(): superscripts and circled digits are digits that int() refuses
                 if int(item) >= task.vocab_size or int(item) == task.bos:
                     raise ValueError(f"infill template ids must be the task's data tokens: in [0, {task.vocab_size}) "
                                      f"but not BOS ({task.bos}), got {item}")

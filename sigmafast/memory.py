@@ -173,6 +173,18 @@ def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: i
                        " per burst iteration", "num_orders or the batch")
 
 
+def check_eval_sampling_memory(config: SigmaGPTConfig, num_samples: int, seq_len: int, device: torch.device,
+                               available: Optional[int] = None) -> int:
+    """The :func:`sampling_peak_bytes` estimate (one order, float32) of the trainer's validity sampling of
+    ``num_samples`` sequences at each evaluation; a ``ValueError`` naming ``TrainConfig.num_eval_samples`` when it
+    exceeds the available memory of ``device``, before training starts rather than at its first evaluation."""
+    need = sampling_peak_bytes(config, num_samples, 1, seq_len, FP32_BYTES)
+    if available is None and need < SAMPLING_CHECK_FLOOR:
+        return need
+    return _check_fits(need, device, available, f"sampling {num_samples} sequences of {seq_len} tokens at each "
+                       "evaluation", "", "TrainConfig.num_eval_samples (0 disables the sampling)")
+
+
 def _check_fits(need: int, device: torch.device, available: Optional[int], what: str, per: str, remedy: str) -> int:
     """``need``; a ``ValueError`` "<what> needs about X GiB<per> but <device> has Y GiB available: reduce
     <remedy>" when it exceeds the available memory of ``device`` (read now unless ``available`` is given)."""

@@ -23,8 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import reference as ref
-from .request import (ar_rank, build_stats, check_burst_memory, check_callback, draw, draw_burst, inference,
-                      is_sigma_gpt, nonfinite_error, prepare)
+from .request import (ar_rank, build_stats, check_burst_memory, check_callback, check_return_stats, draw, draw_burst,
+                      inference, is_sigma_gpt, nonfinite_error, prepare)
 
 
 def naive_logits(model, queries: list, seq_len: int) -> torch.Tensor:
@@ -112,6 +112,7 @@ def generate(
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
     check_burst_memory(model, req)
     check_callback(on_iteration)
+    check_return_stats(return_stats)
     t0 = time.perf_counter()
     canvas, known_now = req.canvas.clone(), req.known.clone()
     B, T = canvas.shape

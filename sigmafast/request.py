@@ -124,6 +124,11 @@ def model_limits(model) -> tuple[int, int, torch.device]:
         )
     if is_sigma_gpt(model):
         cfg = model.config
+        kinds = {(p.dtype, p.device) for p in model.parameters() if p.is_floating_point()}
+        if len(kinds) > 1:  # half a cast: the KV cache and kernels take the first parameter's dtype
+            found = ", ".join(sorted(f"{str(d).removeprefix('torch.')} on {dev}" for d, dev in kinds))
+            raise ValueError(f"model's floating-point parameters must share one dtype and device, got {found}: "
+                             "cast or move the whole model (model.to(dtype or device))")
         return cfg.vocab_size, cfg.block_size, next(model.parameters()).device
     if all(hasattr(model, a) for a in ("vocab_size", "block_size", "prefill")):
         return model.vocab_size, model.block_size, getattr(model, "device", torch.device("cpu"))
@@ -173,6 +178,12 @@ def check_callback(on_iteration) -> None:
         raise TypeError(f"on_iteration must be None or a callable (canvas, known), got {type(on_iteration).__name__}")
 
 
+def check_return_stats(return_stats) -> None:
+    """A bool, not any truthy value: ``generate``'s result is a tuple exactly when it is True."""
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+
+
 def check_order_tensor(order: torch.Tensor, shape: tuple, name: str = "order") -> torch.Tensor:
     """A (B, T) integer tensor whose rows are permutations of 0..T-1."""
     if order.is_floating_point() or order.is_complex() or order.dtype == torch.bool:
@@ -218,7 +229,8 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
                 "canvas and the unknown positions are known == False"
             )
         if not isinstance(known, torch.Tensor) or known.dtype != torch.bool:
-            raise TypeError(f"known must be a bool tensor, got {getattr(known, 'dtype', type(known).__name__)}")
+            got = known.dtype if isinstance(known, torch.Tensor) else type(known).__name__
+            raise TypeError(f"known must be a bool torch.Tensor, got {got}")
         if known.shape != idx.shape:
             raise ValueError(f"known must have the shape of idx {tuple(idx.shape)}, got {tuple(known.shape)}")
         known = known.to(device)

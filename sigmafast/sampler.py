@@ -71,7 +71,7 @@ import torch
 
 from .engine import NeuralConditionals
 from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_burst_memory, check_callback, check_int,
-                      draw, draw_burst, inference, is_sigma_gpt, nonfinite_error, prepare)
+                      check_return_stats, draw, draw_burst, inference, is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
 
@@ -134,6 +134,7 @@ def generate(
     runner = runner_for(model)
     check_burst_memory(target, req, runner.session_rows(req.canvas.shape[0]))
     check_callback(on_iteration)
+    check_return_stats(return_stats)
     t0 = time.perf_counter()
     canvas, known_now = req.canvas.clone(), req.known.clone()
     autoregressive = req.strategy == "autoregressive"
@@ -322,6 +323,8 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     engine = model if isinstance(model, Engine) else Engine.for_model(model)
     target = engine.model
     batch_size, seq_len = check_int("batch_size", batch_size, 1), check_int("seq_len", seq_len, 0)
+    if seq_len > target.config.block_size:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's block_size {target.config.block_size}")
     device = next(target.parameters()).device
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,

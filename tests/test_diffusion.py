@@ -166,6 +166,10 @@ def test_factored_uniform_model_adds_the_token_likelihood():
 def test_chunked_loss_matches_the_loss_of_the_logits(monkeypatch, noise, parameterization, chunk_elements):
     """``model.loss`` (no (B, T, V) logits) equals ``diffusion_loss`` of the forward's logits, with gradients."""
     monkeypatch.setattr(sigmafast.loss, "LOSS_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(sigmafast.kernels.row_blocks, "CPU_BLOCK_ELEMENTS", chunk_elements)  # the CPU's default
+    chunks = []
+    chunk_loss = sigmafast.loss._chunk_loss
+    monkeypatch.setattr(sigmafast.loss, "_chunk_loss", lambda h, *a: chunks.append(len(h)) or chunk_loss(h, *a))
     model = tiny_diffusion(noise).train()
     model.diffusion_config = DiffusionConfig(noise, parameterization)
     g = torch.Generator().manual_seed(1)
@@ -180,6 +184,7 @@ def test_chunked_loss_matches_the_loss_of_the_logits(monkeypatch, noise, paramet
 
     full, g_full = grads(lambda: diffusion_loss(model(batch.x_t, batch.t).double(), batch, noise, model.mask_id))
     chunked, g_chunked = grads(lambda: model.loss(*batch))
+    assert chunks == ([21] if chunk_elements == 2**25 else [7, 7, 7]), chunks  # the chunking really happens
     assert full > 0
     torch.testing.assert_close(chunked.double(), full, rtol=1e-10, atol=1e-12)
     assert g_full.keys() == g_chunked.keys()

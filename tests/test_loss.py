@@ -59,3 +59,29 @@ def test_chunked_loss_all_ignored_is_zero_with_zero_gradient():
 def test_chunked_loss_rejects_bad_inputs(args, error, match):
     with pytest.raises(error, match=match):
         linear_cross_entropy(*args[:3], **({"chunk_elements": args[3]} if len(args) > 3 else {}))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
+def test_chunked_loss_cuts_row_args_and_row_weight_with_their_rows(grad):
+    """``adjust``'s per-row args and ``row_weight`` go with their own rows in every chunk: 7 rows in chunks of
+    3, 3 and 1 give the loss (and gradients) of the weighted cross-entropy of the adjusted full logits."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(7, 8, generator=g, dtype=torch.float64, requires_grad=grad)
+    w = torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=grad)
+    y = torch.tensor([0, 4, -1, 2, 3, 1, 1])
+    shift = torch.randn(7, generator=g, dtype=torch.float64) * 3
+    column = torch.tensor([0, 1, 2, 3, 4, 0, 2])
+    weight = torch.rand(7, generator=g, dtype=torch.float64) + 0.5
+
+    def adjust(logits, s, c):
+        return logits + s[:, None] * F.one_hot(c, logits.shape[-1]).to(logits.dtype)
+
+    with torch.set_grad_enabled(grad):
+        got = linear_cross_entropy(h, w, y, chunk_elements=15, adjust=adjust, row_args=(shift, column),
+                                   row_weight=weight)
+        ce = F.cross_entropy(adjust(h @ w.T, shift, column), y, ignore_index=-1, reduction="none")
+        want = (ce * weight).sum() / (y != -1).sum()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if grad:
+        for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

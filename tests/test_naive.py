@@ -77,6 +77,15 @@ def test_autoregressive_matches_naive(model, engine, order, kind, batch=3):
     assert stats.burst_lengths is None
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("temperature,top_k", [(1.3, 3), (0.6, None), (1.0, 1), (0.0, None)],
+                         ids=["t1.3-top3", "t0.6", "top1", "greedy"])
+def test_tempered_top_k_autoregressive_matches_naive(model, engine, temperature, top_k, kind, batch=3):
+    """The autoregressive step applies the temperature and top-k as the naive sampler does, token for token."""
+    idx, kwargs = _inputs(kind, batch)
+    _assert_same(model, idx, engine, strategy="autoregressive", temperature=temperature, top_k=top_k, **kwargs)
+
+
 SETTINGS = [
     pytest.param("paper", 1, 1.0, None, id="paper-O1"),
     pytest.param("paper", 3, 1.0, None, id="paper-O3"),
@@ -85,6 +94,7 @@ SETTINGS = [
     pytest.param("lossless", 1, 1.0, None, id="lossless"),
     pytest.param("lossless", 1, 0.0, None, id="lossless-greedy"),
     pytest.param("lossless", 1, 1.3, 3, id="lossless-t1.3-top3"),
+    pytest.param("lossless", 1, 0.7, 2, id="lossless-t0.7-top2"),  # top-2 of 5: the residual's truncation shows
 ]
 
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 from helpers import sample_script
 
-def test_sample_script_parses_infill_templates():
-    from sigmafast.tasks import get_task
+from sigmafast.tasks import get_task
 
+
+def test_sample_script_parses_infill_templates():
     script = sample_script()
     step = get_task("step", seq_len=6, run_length=2)
     tokens, known = script.parse_template("01__1", step, 6)
@@ -32,10 +33,15 @@ def test_sample_script_parses_infill_templates():
     assert dna.decode(tokens[[0, 1, 4]].tolist()) == "ACT"
 
 
+@pytest.mark.parametrize("item", ["\u00b2", "\u2460", "\u00b9\u00b2"])
+def test_sample_script_names_the_template_for_digits_that_are_not_decimal(item):
+    """str.isdigit() holds for superscripts and circled digits, which int() refuses: the template's own error."""
+    with pytest.raises(ValueError, match="infill template items must be token ids or '_'"):
+        sample_script().parse_template(f"3 _ {item}", get_task("permutation", seq_len=6), 6)
+
+
 def test_sample_script_renders_a_partial_maze():
     """The live view of a fixed-layout task decodes the whole canvas, its unknown cells as '?'."""
-    from sigmafast.tasks import get_task
-
     script = sample_script()
     maze = get_task("maze", height=5, width=5, n_walls=0, min_distance=2, val_size=8)
     row = maze.sample_batch(1, "val", torch.Generator().manual_seed(0))[0]
@@ -47,8 +53,6 @@ def test_sample_script_renders_a_partial_maze():
 
 def test_sample_script_refuses_a_partial_maze_before_sampling(monkeypatch):
     """A fixed layout decodes only whole: --max-new-tokens short of it is an error before any sampling."""
-    from sigmafast.tasks import get_task
-
     script = sample_script()
     maze = get_task("maze", height=5, width=5, n_walls=0, min_distance=2, val_size=8)
     monkeypatch.setattr("sigmafast.train.load_checkpoint", lambda *a, **k: (maze.oracle, maze, None))

@@ -12,6 +12,7 @@ from helpers import tiny_model
 
 import sigmafast
 import sigmafast.naive as naive
+from sigmafast.orders import make_orders
 
 T = 8
 VOCAB = 5
@@ -286,3 +287,33 @@ def test_generate_defaults_to_exact_sampling():
     for fn in (sigmafast.generate, naive.generate, sigmafast.warmup):
         params = inspect.signature(fn).parameters
         assert (params["acceptance"].default, params["num_orders"].default) == ("lossless", 1), fn
+
+
+@pytest.mark.parametrize("sampler", [sigmafast.generate, naive.generate], ids=["cached", "naive"])
+@pytest.mark.parametrize("order", ["fractal", "tensor"])
+def test_autoregressive_visits_the_unknown_positions_in_the_given_order(model, sampler, order):
+    """``order[b, s]`` is the position visited at step s (as in ``log_likelihood``), not the step of position s:
+    both samplers share ``ar_rank``, so their token-for-token agreement cannot tell an order from its inverse.
+    Each step must make the next unknown position of ``order[b]`` known (known ones skipped)."""
+    B = 3
+    if order == "tensor":
+        orders = torch.stack([torch.randperm(T, generator=torch.Generator().manual_seed(20 + b)) for b in range(B)])
+    else:
+        orders = make_orders("fractal", B, T)
+    inverse = torch.empty_like(orders).scatter_(1, orders, torch.arange(T).expand(B, T))
+    assert not torch.equal(orders, inverse)  # an involution could not tell them apart
+    known = torch.zeros(B, T, dtype=torch.bool)
+    known[1, [0, 5]] = True
+    idx = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(4))
+    seen, before = [], known.clone()
+
+    def record(canvas, now):
+        seen.append([(now[b] & ~before[b]).nonzero().flatten().tolist() for b in range(B)])
+        before.copy_(now)
+
+    sampler(model, idx, known=known, strategy="autoregressive", order=orders if order == "tensor" else order,
+            generator=torch.Generator().manual_seed(0), on_iteration=record)
+    for b in range(B):
+        want = [j for j in orders[b].tolist() if not known[b, j]]
+        got = [step[b] for step in seen if step[b]]
+        assert all(len(g) == 1 for g in got) and [g[0] for g in got] == want, (b, got, want)

@@ -3,6 +3,8 @@ a clear error, from the cached sampler and the naive reference alike."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -54,6 +56,8 @@ BAD = [
     pytest.param(dict(order="left-to-right"), ValueError, "autoregressive", id="burst-with-order"),
     pytest.param(dict(generator=0), TypeError, "generator", id="bad-generator"),
     pytest.param(dict(on_iteration="print"), TypeError, "on_iteration", id="on-iteration-not-callable"),
+    pytest.param(dict(idx=torch.zeros(1, T, dtype=torch.long), max_new_tokens=None, known=np.ones((1, T), bool)),
+                 TypeError, "known must be a bool torch.Tensor, got ndarray", id="numpy-mask"),
 ]
 
 
@@ -64,6 +68,31 @@ def test_bad_input_is_rejected(model, kwargs, error, match, impl):
     fn = sigmafast.generate if impl == "cached" else naive.generate
     with pytest.raises(error, match=match):
         fn(model, args.pop("idx"), **args)
+
+
+@pytest.mark.parametrize("impl", ["cached", "naive"])
+def test_a_model_of_mixed_dtypes_is_rejected(model, impl):
+    """Half a cast (one block float32, the rest float64) is named, not a dtype error from a kernel or a matmul."""
+    mixed = copy.deepcopy(model)
+    mixed.h[0].float()
+    fn = sigmafast.generate if impl == "cached" else naive.generate
+    with pytest.raises(ValueError, match=r"model's floating-point parameters must share one dtype and device"):
+        fn(mixed, torch.zeros(1, 0, dtype=torch.long), T)
+    with pytest.raises(ValueError, match=r"model's floating-point parameters must share one dtype and device"):
+        sigmafast.log_likelihood(mixed, torch.zeros(1, T, dtype=torch.long), "left-to-right")
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+@pytest.mark.parametrize("impl", ["cached", "naive"])
+def test_return_stats_must_be_a_bool(model, value, impl):
+    fn = sigmafast.generate if impl == "cached" else naive.generate
+    with pytest.raises(TypeError, match="return_stats must be a bool"):
+        fn(model, torch.zeros(1, 0, dtype=torch.long), 2, return_stats=value)
+
+
+def test_warmup_names_seq_len_when_it_exceeds_the_block_size(model):
+    with pytest.raises(ValueError, match=rf"^seq_len {T + 1} exceeds the model's block_size {T}$"):
+        sigmafast.warmup(model, 1, T + 1)
 
 
 def test_bad_model_is_rejected():

@@ -47,6 +47,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
          "--diffusion-noise applies to objective 'diffusion' only; this run's objective is 'sigma'"),
         (["--lr-decay-iters", "10"], "--lr-decay-iters (10) must be >= warmup_iters (200)"),  # recipe's
         (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+        (["--num-eval-samples", str(10**9)], "GiB available: reduce --num-eval-samples"),
         (["--seed", str(2**63)], f"--seed must be in [0, 2**63), got {2**63}"),
         pytest.param(["--device", "cuda"], "device 'cuda' requested but CUDA is not available",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the error raised without CUDA")),
@@ -54,7 +55,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ids=["task", "order", "preset", "block-size", "n-embd", "int", "lr", "seq-len", "missing-ckpt",
          "other-arch", "other-seq-len", "other-task", "other-objective", "other-heads", "nan-weight-decay", "inf-lr",
          "huge-seq-len", "huge-model", "curriculum-start-random", "curriculum-start-diffusion",
-         "curriculum-iters-random", "diffusion-noise-sigma", "lr-decay-below-warmup", "negative-seed", "huge-seed",
+         "curriculum-iters-random", "diffusion-noise-sigma", "lr-decay-below-warmup", "negative-seed",
+         "huge-eval-samples", "huge-seed",
          "cuda-without-cuda"],
 )
 def test_script_bad_input(extra, match, tmp_path, trained_dir, capsys):

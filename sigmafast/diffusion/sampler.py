@@ -32,7 +32,7 @@ import torch
 
 from .. import kernels
 from ..kernels.reference import inverse_cdf, process_logits
-from ..request import SampleStats, draw, inference, nonfinite_error, prepare
+from ..request import SampleStats, check_return_stats, draw, inference, nonfinite_error, prepare
 from .model import DiffusionGPT
 from .noise import alpha, uniform_posterior, uniform_tokens
 
@@ -109,6 +109,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: Optional[int] = None, tem
     model = _check_model(model)
     req = prepare(model.backbone, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                   known=known, generator=generator)
+    check_return_stats(return_stats)
     B, T = req.canvas.shape
     S = _check_steps(steps, T)
     if bool((req.known & (req.canvas == model.mask_id)).any()):
