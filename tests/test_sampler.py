@@ -91,6 +91,42 @@ def test_log_likelihood_is_the_sum_of_autoregressive_log_probs(model):
     assert torch.allclose(l2r, sigmafast.log_likelihood(model, x, torch.arange(T).expand(3, T)))
 
 
+def test_log_likelihood_of_a_sequence_shorter_than_the_block(model):
+    """BOS sits at the model's start position (block_size), not at the sequence's length."""
+    g = torch.Generator().manual_seed(4)
+    L = T - 3
+    x = torch.randint(0, VOCAB, (2, L), generator=g)
+    order = torch.rand(2, L, generator=g).argsort(1)
+    ll = sigmafast.log_likelihood(model, x, order)
+    for b in range(2):
+        queries = [(order[b, :t].tolist(), x[b, order[b, :t]].tolist(), int(order[b, t])) for t in range(L)]
+        logp = torch.log_softmax(naive.naive_logits(model, queries, L), -1)
+        assert ll[b].item() == pytest.approx(logp[torch.arange(L), x[b, order[b]]].sum().item(), abs=1e-10)
+
+
+def test_log_likelihood_named_orders_are_their_order_tensors(model):
+    """The names visit the positions of ``make_orders``: "fractal" is not scored left-to-right."""
+    x = torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(5))
+    got = {name: sigmafast.log_likelihood(model, x, name) for name in ("left-to-right", "fractal")}
+    for name, ll in got.items():
+        assert torch.allclose(ll, sigmafast.log_likelihood(model, x, make_orders(name, 3, T)), rtol=0, atol=1e-12)
+    assert not torch.allclose(got["fractal"], got["left-to-right"], rtol=0, atol=1e-6)  # the orders differ
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 5e-3), (torch.bfloat16, 5e-2)], ids=["fp16", "bf16"])
+def test_conditional_density_of_a_16_bit_model_is_float32(dtype, atol):
+    """The softmax runs in float32 at least: 16-bit probabilities would not sum to 1."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (2, T), generator=g)
+    known = torch.rand(2, T, generator=g) < 0.5
+    half = tiny_model(VOCAB, T, seed=2, std=0.5, dtype=dtype)
+    dens = sigmafast.conditional_density(half, x, known)
+    assert dens.dtype == torch.float32
+    assert torch.allclose(dens.sum(-1), torch.ones(2, T), atol=1e-6)
+    exact = sigmafast.conditional_density(tiny_model(VOCAB, T, seed=2, std=0.5), x, known)
+    assert torch.allclose(dens.double(), exact, atol=atol)
+
+
 def test_log_likelihood_of_the_empty_sequence_is_zero(model):
     empty = torch.zeros(2, 0, dtype=torch.long)
     assert torch.equal(sigmafast.log_likelihood(model, empty, "left-to-right"), torch.zeros(2))
