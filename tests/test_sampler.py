@@ -77,31 +77,21 @@ def test_lossless_burst_has_the_random_order_autoregressive_law(temperature):
         assert p_value("paper", 5) < 1e-3  # the test tells an inexact law apart
 
 
-def test_log_likelihood_is_the_sum_of_autoregressive_log_probs(model):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, VOCAB, (3, T), generator=g)
-    order = torch.rand(3, T, generator=g).argsort(1)
+@pytest.mark.parametrize("L", [T, T - 3], ids=["full", "shorter-than-the-block"])
+def test_log_likelihood_is_the_sum_of_autoregressive_log_probs(model, L):
+    """Step by step, each from a fresh forward of the visited prefix; a sequence shorter than the block keeps BOS at
+    the model's start position (block_size), not at the sequence's length."""
+    g = torch.Generator().manual_seed(0 if L == T else 4)
+    x = torch.randint(0, VOCAB, (3, L), generator=g)
+    order = torch.rand(3, L, generator=g).argsort(1)
     ll = sigmafast.log_likelihood(model, x, order)
     for b in range(3):
-        queries = [(order[b, :t].tolist(), x[b, order[b, :t]].tolist(), int(order[b, t])) for t in range(T)]
-        logp = torch.log_softmax(naive.naive_logits(model, queries, T), -1)
-        expected = logp[torch.arange(T), x[b, order[b]]].sum()
-        assert ll[b].item() == pytest.approx(expected.item(), abs=1e-10)
-    l2r = sigmafast.log_likelihood(model, x, "left-to-right")
-    assert torch.allclose(l2r, sigmafast.log_likelihood(model, x, torch.arange(T).expand(3, T)))
-
-
-def test_log_likelihood_of_a_sequence_shorter_than_the_block(model):
-    """BOS sits at the model's start position (block_size), not at the sequence's length."""
-    g = torch.Generator().manual_seed(4)
-    L = T - 3
-    x = torch.randint(0, VOCAB, (2, L), generator=g)
-    order = torch.rand(2, L, generator=g).argsort(1)
-    ll = sigmafast.log_likelihood(model, x, order)
-    for b in range(2):
         queries = [(order[b, :t].tolist(), x[b, order[b, :t]].tolist(), int(order[b, t])) for t in range(L)]
         logp = torch.log_softmax(naive.naive_logits(model, queries, L), -1)
-        assert ll[b].item() == pytest.approx(logp[torch.arange(L), x[b, order[b]]].sum().item(), abs=1e-10)
+        expected = logp[torch.arange(L), x[b, order[b]]].sum()
+        assert ll[b].item() == pytest.approx(expected.item(), abs=1e-10)
+    l2r = sigmafast.log_likelihood(model, x, "left-to-right")
+    assert torch.allclose(l2r, sigmafast.log_likelihood(model, x, torch.arange(L).expand(3, L)))
 
 
 def test_log_likelihood_named_orders_are_their_order_tensors(model):
