@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import sigmafast
-from sigmafast.intervals import wilson_interval
+from sigmafast.intervals import Z95, wilson_interval
 from _common import bench_full, device_info, primary_metric, sample_count, synchronize
 
 SAMPLES = sample_count(2000 if bench_full() else 1000)
@@ -91,7 +91,7 @@ class QualityRow:
 
     def markdown(self) -> str:
         ci = f"{100 * self.rate:.1f}% [{100 * self.low:.1f}, {100 * self.high:.1f}]"
-        half = 1.96 * self.distinct_sd / math.sqrt(self.n)
+        half = Z95 * self.distinct_sd / math.sqrt(self.n)
         return f"| {self.method} | {ci} | {self.distinct:.2f} ± {half:.2f} | {self.iterations:.2f} | {self.n} |"
 
 

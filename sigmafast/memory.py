@@ -162,27 +162,17 @@ def check_training_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int,
 
 def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,
                           device: torch.device, param_bytes: int, block_elements: Optional[int] = None,
-                          available: Optional[int] = None) -> int:
-    """The :func:`sampling_peak_bytes` estimate; a ``ValueError`` naming ``num_orders`` and the batch
-    when it exceeds the available memory of ``device``. The free memory is read (unless ``available``
-    is given) only for estimates above ``SAMPLING_CHECK_FLOOR``: small calls cost nothing."""
+                          available: Optional[int] = None, *, what: Optional[str] = None,
+                          remedy: str = "num_orders or the batch") -> int:
+    """The :func:`sampling_peak_bytes` estimate; a ``ValueError`` naming ``remedy`` (``num_orders`` and the
+    batch by default; the trainer's validity sampling names its own flag) when it exceeds the available memory
+    of ``device``. The free memory is read (unless ``available`` is given) only for estimates above
+    ``SAMPLING_CHECK_FLOOR``: small calls cost nothing."""
     need = sampling_peak_bytes(config, batch_size, num_orders, seq_len, param_bytes, block_elements)
     if available is None and need < SAMPLING_CHECK_FLOOR:
         return need
-    return _check_fits(need, device, available, f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens",
-                       " per burst iteration", "num_orders or the batch")
-
-
-def check_eval_sampling_memory(config: SigmaGPTConfig, num_samples: int, seq_len: int, device: torch.device,
-                               available: Optional[int] = None) -> int:
-    """The :func:`sampling_peak_bytes` estimate (one order, float32) of the trainer's validity sampling of
-    ``num_samples`` sequences at each evaluation; a ``ValueError`` naming ``TrainConfig.num_eval_samples`` when it
-    exceeds the available memory of ``device``, before training starts rather than at its first evaluation."""
-    need = sampling_peak_bytes(config, num_samples, 1, seq_len, FP32_BYTES)
-    if available is None and need < SAMPLING_CHECK_FLOOR:
-        return need
-    return _check_fits(need, device, available, f"sampling {num_samples} sequences of {seq_len} tokens at each "
-                       "evaluation", "", "TrainConfig.num_eval_samples (0 disables the sampling)")
+    what = what or f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens"
+    return _check_fits(need, device, available, what, " per burst iteration", remedy)
 
 
 def _check_fits(need: int, device: torch.device, available: Optional[int], what: str, per: str, remedy: str) -> int:

@@ -36,7 +36,7 @@ from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
 from .evaluation import estimate_val_loss, metrics_line, numeric_metrics, sample_validity
 from .loss import step_weights
-from .memory import GIB, check_eval_sampling_memory, check_training_memory
+from .memory import FP32_BYTES, GIB, check_sampling_memory, check_training_memory
 from .model import SigmaGPTConfig
 from .optim import configure_optimizer, learning_rate, restore_optimizer
 from .resume import changed_fields, check_given_fields, learned_task_kwargs, resumed_config
@@ -111,8 +111,11 @@ def check_memory(cfg: TrainConfig, model_config: SigmaGPTConfig, seq_len: int, d
     activations under autocast); a ``ValueError`` naming the flags that reduce it when it exceeds the
     memory available on ``device``."""
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    if cfg.num_eval_samples:
-        check_eval_sampling_memory(model_config, cfg.num_eval_samples, seq_len, device)
+    if cfg.num_eval_samples:  # each evaluation's validity sampling: one order, float32
+        n = cfg.num_eval_samples
+        check_sampling_memory(model_config, n, 1, seq_len, device, FP32_BYTES,
+                              what=f"sampling {n} sequences of {seq_len} tokens at each evaluation",
+                              remedy="TrainConfig.num_eval_samples (0 disables the sampling)")
     return check_training_memory(model_config, cfg.batch_size, seq_len, device, activation_bytes=2 if bf16 else 4)
 
 
