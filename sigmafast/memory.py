@@ -2,9 +2,11 @@
 
 :func:`training_peak_bytes` estimates one training process's peak from the
 model config alone; :func:`sampling_peak_bytes` the largest tensors of one
-burst iteration. :func:`available_bytes` reads what the device has free, and
-:func:`check_training_memory` / :func:`check_sampling_memory` turn an estimate
-that exceeds it into a one-line ``ValueError`` naming what reduces it.
+burst iteration, :func:`decoding_peak_bytes` those of autoregressive sampling
+(its KV cache). :func:`available_bytes` reads what the device has free, and
+the ``check_*_memory`` functions turn an estimate that exceeds it into a
+one-line ``ValueError`` naming what reduces it; :func:`check_canvas_memory`
+runs before a sampler builds its canvas.
 
 The estimates count only the dominant terms: the activation term is within
 10% of the bytes autograd saves (``tests/test_memory.py``), and allocator
@@ -31,7 +33,8 @@ ACTIVATIONS_OUTSIDE = 2  # final LayerNorm in and out (the embeddings' sum is th
 LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32 (chunks of LOSS_CHUNK_ELEMENTS)
 BLOCK_COPIES = 4  # a row block's logits, probabilities, CDF and signs, fp32 (kernels.row_blocks, reference path)
 LOSS_WEIGHT_GRADS = 2  # the chunked loss's (V, C) fp32 weight gradient, and its scaled copy in the backward
-SAMPLING_CHECK_FLOOR = 256 * 2**20  # smaller burst iterations skip reading the free memory
+SAMPLING_CHECK_FLOOR = 256 * 2**20  # smaller estimates skip reading the free memory
+CANVAS_BYTES = 8 + 1 + 8  # per token: the int64 canvas, the bool known mask, an int64 temporary while building them
 TRAINING_FLAGS = ("--batch-size (raise --grad-accum to keep the tokens per step), --seq-len, or the model "
                   "(--preset, --n-embd, --n-layer)")
 
@@ -125,6 +128,20 @@ def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int
     return keys + verify + logits
 
 
+def decoding_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, param_bytes: int) -> int:
+    """Estimated bytes of autoregressive sampling's largest tensors: with B rows, T positions, width C,
+    L layers, vocabulary V and ``param_bytes`` s::
+
+        2 s L B (T + 1) C         the KV cache, keys and values at full length (and its scratch slot)
+      + 6 s B C                   one step's activations
+      + 4 B V                     one step's logits, float32
+      + CANVAS_BYTES B T          the canvas and its known mask
+    """
+    B, T, C = batch_size, seq_len, config.n_embd
+    cache = 2 * param_bytes * config.n_layer * B * (T + 1) * C
+    return cache + 6 * param_bytes * B * C + FP32_BYTES * B * config.vocab_size + CANVAS_BYTES * B * T
+
+
 def _meminfo_available() -> Optional[int]:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -173,6 +190,28 @@ def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: i
         return need
     what = what or f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens"
     return _check_fits(need, device, available, what, " per burst iteration", remedy)
+
+
+def check_decoding_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int, device: torch.device,
+                          param_bytes: int, available: Optional[int] = None) -> int:
+    """The :func:`decoding_peak_bytes` estimate; a ``ValueError`` naming the batch when it exceeds the
+    available memory of ``device`` (read only for estimates above ``SAMPLING_CHECK_FLOOR``)."""
+    need = decoding_peak_bytes(config, batch_size, seq_len, param_bytes)
+    if available is None and need < SAMPLING_CHECK_FLOOR:
+        return need
+    what = f"autoregressive sampling of {batch_size} rows of {seq_len} tokens"
+    return _check_fits(need, device, available, what, " (its KV cache at full length)", "the batch")
+
+
+def check_canvas_memory(batch_size: int, seq_len: int, device: torch.device, available: Optional[int] = None) -> int:
+    """``CANVAS_BYTES`` per token of a (``batch_size``, ``seq_len``) canvas; a ``ValueError`` naming the rows of
+    ``idx`` when even that exceeds the available memory of ``device``: checked before the canvas is built, so
+    that a huge batch (an ``expand``-ed ``idx`` costs nothing) fails with a message, not in the allocator."""
+    need = CANVAS_BYTES * batch_size * seq_len
+    if available is None and need < SAMPLING_CHECK_FLOOR:
+        return need
+    what = f"a canvas of {batch_size} rows of {seq_len} tokens"
+    return _check_fits(need, device, available, what, " before sampling starts", "the batch (the rows of idx)")
 
 
 def _check_fits(need: int, device: torch.device, available: Optional[int], what: str, per: str, remedy: str) -> int:

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import reference as ref
-from .request import (ar_rank, build_stats, check_burst_memory, check_callback, check_return_stats, draw, draw_burst,
+from .request import (ar_rank, build_stats, check_request_memory, check_callback, check_return_stats, draw, draw_burst,
                       inference, is_sigma_gpt, nonfinite_error, prepare)
 
 
@@ -110,7 +110,7 @@ def generate(
     """Same arguments and results as :func:`sigmafast.generate`, computed naively."""
     req = prepare(model, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
-    check_burst_memory(model, req)
+    check_request_memory(model, req)
     check_callback(on_iteration)
     check_return_stats(return_stats)
     t0 = time.perf_counter()

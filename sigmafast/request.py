@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .kernels.checks import check_temperature
+from .memory import check_canvas_memory
 
 STRATEGIES = ("burst", "autoregressive")
 ACCEPTANCE_RULES = ("paper", "lossless")
@@ -156,18 +157,21 @@ def check_seed(name: str, seed: int) -> int:
     return seed
 
 
-def check_burst_memory(model, req: Request, rows: Optional[int] = None) -> None:
-    """A ``ValueError`` naming ``num_orders`` before a σ-GPT's burst iterations that cannot fit in memory (for
-    ``req.strategy == "burst"``; nothing for an oracle or autoregressive sampling). ``rows``: the batch the
-    session allocates (an engine's batch bucket), the request's by default. The burst samplers call it after
-    :func:`prepare`; the other users of ``prepare`` (density, diffusion) run no burst."""
-    if req.strategy != "burst" or not is_sigma_gpt(model):
+def check_request_memory(model, req: Request, rows: Optional[int] = None) -> None:
+    """A ``ValueError`` before a σ-GPT's sampling that cannot fit in memory: a burst naming ``num_orders`` and
+    the batch, autoregressive sampling (its KV cache) naming the batch; nothing for an oracle. ``rows``: the batch
+    the session allocates (an engine's batch bucket), the request's by default. The samplers call it after
+    :func:`prepare`; the other users of ``prepare`` (density, diffusion) sample no burst and keep no cache."""
+    if not is_sigma_gpt(model):
         return
     from .kernels import backend_for, row_blocks
-    from .memory import check_sampling_memory
+    from .memory import check_decoding_memory, check_sampling_memory
 
     param = next(model.parameters())
     B, T = req.canvas.shape if rows is None else (rows, req.canvas.shape[1])
+    if req.strategy != "burst":
+        check_decoding_memory(model.config, B, T, param.device, param.element_size())
+        return
     blocks = None if backend_for(param) == "triton" else row_blocks.block_elements(param.device)
     check_sampling_memory(model.config, B, req.num_orders, T, param.device, param.element_size(),
                           block_elements=blocks)
@@ -219,6 +223,7 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
         if idx.shape[1] + max_new_tokens > block_size:  # before the canvas is allocated
             raise ValueError(f"canvas length {idx.shape[1] + max_new_tokens} (prompt {idx.shape[1]} + max_new_tokens "
                              f"{max_new_tokens}) exceeds the model's block_size {block_size}")
+        check_canvas_memory(B, idx.shape[1] + max_new_tokens, device)
         canvas = torch.cat([idx.long(), idx.new_zeros(B, max_new_tokens, dtype=torch.long)], 1)
         known = torch.zeros_like(canvas, dtype=torch.bool)
         known[:, : idx.shape[1]] = True
@@ -233,6 +238,7 @@ def prepare(model, idx, *, max_new_tokens: Optional[int] = None, temperature: fl
             raise TypeError(f"known must be a bool torch.Tensor, got {got}")
         if known.shape != idx.shape:
             raise ValueError(f"known must have the shape of idx {tuple(idx.shape)}, got {tuple(known.shape)}")
+        check_canvas_memory(B, idx.shape[1], device)
         known = known.to(device)
         canvas = torch.where(known, idx.long(), torch.zeros_like(idx, dtype=torch.long))
     T = canvas.shape[1]

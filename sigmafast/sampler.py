@@ -70,7 +70,7 @@ from typing import Callable, Optional
 import torch
 
 from .engine import NeuralConditionals
-from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_burst_memory, check_callback, check_int,
+from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_request_memory, check_callback, check_int,
                       check_return_stats, draw, draw_burst, inference, is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan
@@ -132,7 +132,7 @@ def generate(
     req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
     runner = runner_for(model)
-    check_burst_memory(target, req, runner.session_rows(req.canvas.shape[0]))
+    check_request_memory(target, req, runner.session_rows(req.canvas.shape[0]))
     check_callback(on_iteration)
     check_return_stats(return_stats)
     t0 = time.perf_counter()
@@ -329,7 +329,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,
                   num_orders=num_orders, acceptance=acceptance)
-    check_burst_memory(target, req, engine.session_rows(batch_size))
+    check_request_memory(target, req, engine.session_rows(batch_size))
     if seq_len == 0 or not engine.buckets:  # exact shapes: every call has its own; nothing to prepare
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -103,7 +103,7 @@ def test_available_memory_and_the_training_check():
 
 def test_only_burst_sampling_checks_the_burst_memory(monkeypatch):
     """The burst estimate (whose error says "reduce num_orders") guards the burst samplers only: autoregressive
-    sampling, densities and the diffusion sampler run no burst iteration."""
+    sampling (checked for its KV cache instead), densities and the diffusion sampler run no burst iteration."""
     import sigmafast
     import sigmafast.memory
     import sigmafast.naive
@@ -148,3 +148,62 @@ def test_the_burst_memory_check_counts_the_engine_s_batch_bucket(monkeypatch):
     sigmafast.generate(sigmafast.Engine(model, buckets=True), empty, 6)
     sigmafast.warmup(sigmafast.Engine(model, buckets=True), 9, 6)
     assert checked == [9, 16, 16]
+
+
+def test_autoregressive_sampling_checks_its_kv_cache(monkeypatch):
+    """The decoding estimate counts the KV cache the engine allocates; both samplers refuse, naming the batch,
+    a cache larger than the available memory (here made small), after the canvas (a few bytes) passed."""
+    import sigmafast
+    import sigmafast.memory
+    import sigmafast.naive
+    from sigmafast.cache import KVCache
+    from sigmafast.memory import CANVAS_BYTES, check_decoding_memory, decoding_peak_bytes
+
+    config = SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=2, n_head=2, n_embd=16)
+    cache = KVCache(config.n_layer, 3, config.n_head, 6, config.head_dim)
+    rest = 6 * 4 * 3 * config.n_embd + 4 * 3 * config.vocab_size + CANVAS_BYTES * 3 * 6
+    assert decoding_peak_bytes(config, 3, 6, 4) == cache.k.nbytes + cache.v.nbytes + rest
+    need = decoding_peak_bytes(config, 3, 6, 4)
+    assert check_decoding_memory(config, 3, 6, torch.device("cpu"), 4, available=need) == need
+    with pytest.raises(ValueError, match="autoregressive sampling of 3 rows of 6 tokens .* reduce the batch$"):
+        check_decoding_memory(config, 3, 6, torch.device("cpu"), 4, available=need - 1)
+
+    model = SigmaGPT(config).eval()
+    monkeypatch.setattr(sigmafast.memory, "SAMPLING_CHECK_FLOOR", 0)
+    monkeypatch.setattr(sigmafast.memory, "available_bytes", lambda device: need - 1)
+    empty = torch.zeros(3, 0, dtype=torch.long)
+    for generate in (sigmafast.generate, sigmafast.naive.generate):
+        with pytest.raises(ValueError, match="autoregressive sampling of 3 rows of 6 tokens"):
+            generate(model, empty, 6, strategy="autoregressive")
+
+
+def test_a_canvas_larger_than_memory_is_refused_before_it_is_built():
+    """An expanded idx of 10**12 rows costs nothing; its canvas would need terabytes: every sampler refuses it
+    with one message naming the batch, for a prompt and for infilling alike."""
+    import sigmafast
+    import sigmafast.naive
+    from sigmafast import diffusion
+    from sigmafast.density import conditional_density
+    from sigmafast.diffusion import DiffusionConfig, DiffusionGPT
+    from sigmafast.memory import CANVAS_BYTES, check_canvas_memory
+
+    assert check_canvas_memory(5, 7, torch.device("cpu"), available=CANVAS_BYTES * 35) == CANVAS_BYTES * 35
+    with pytest.raises(ValueError, match=r"a canvas of 5 rows of 7 tokens .* reduce the batch \(the rows of idx\)"):
+        check_canvas_memory(5, 7, torch.device("cpu"), available=CANVAS_BYTES * 35 - 1)
+    config = SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=2, n_embd=16)
+    model = SigmaGPT(config).eval()
+    rows = 10**12
+    prompt = torch.zeros(1, 2, dtype=torch.long).expand(rows, 2)
+    canvas, known = torch.zeros(1, 6, dtype=torch.long).expand(rows, 6), torch.zeros(1, 6, dtype=torch.bool)
+    match = f"a canvas of {rows} rows of 6 tokens"
+    for generate in (sigmafast.generate, sigmafast.naive.generate):
+        for strategy in ("burst", "autoregressive"):
+            with pytest.raises(ValueError, match=match):
+                generate(model, prompt, 4, strategy=strategy)
+            with pytest.raises(ValueError, match=match):
+                generate(model, canvas, known=known.expand(rows, 6), strategy=strategy)
+    with pytest.raises(ValueError, match=match):
+        conditional_density(model, canvas, known.expand(rows, 6))
+    noised = DiffusionGPT(config, DiffusionConfig(noise="absorbing")).eval()
+    with pytest.raises(ValueError, match=match):
+        diffusion.generate(noised, prompt, 4)

@@ -102,6 +102,12 @@ def test_sample_script_checkpoint_errors_name_its_flags(trained_dir, tmp_path, c
         err = capsys.readouterr().err
         assert err == f"error: {message}\n" or err.startswith(f"error: {message}:"), err
         assert "--resume" not in err and "--out-dir" not in err
+    huge = ["--checkpoint", str(trained_dir / "ckpt.pt"), "--num-samples", str(10**12)]
+    for argv in (huge, [*huge, "--strategy", "autoregressive"], [*huge, "--infill", "3 _ 4"]):
+        assert sample_script().main(argv) == 2  # the batch is an expanded view: refused before the canvas exists
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: a canvas of {10**12} rows of ") and err.endswith("reduce the batch (the rows "
+                                                                                       "of idx)\n"), err
     assert sample_script().main(["--checkpoint", str(tmp_path / "char" / "ckpt.pt"), "--prompt", "the cat "]) == 0
 
 
