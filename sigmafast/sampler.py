@@ -27,8 +27,9 @@ flag). With static shapes (an :class:`~sigmafast.runner.Engine` with buckets
 and ``lookahead=True``) the read lags one iteration behind the launches: iteration i + 1 is queued,
 its R bucket bounded from iteration i - 1's status, before iteration i's status
 is read, so the device never waits for the host between iterations. The
-autoregressive loop reads two values in all (the number of steps, and after
-the loop the non-finite flag the steps accumulated on the device).
+autoregressive loop reads one value (after the loop, the non-finite flag the
+steps accumulated on the device); its step count is the largest unknown count
+of a row, which ``generate`` read before the prefill.
 Non-finite model outputs raise a ``ValueError``.
 
 Randomness protocol (shared with :mod:`sigmafast.naive`). Every draw is an
@@ -147,7 +148,8 @@ def generate(
             session = runner.start(canvas, known_now)
             prefill_calls = int(most > 0)
             if autoregressive:
-                accepted, lengths, calls = _autoregressive(runner, session, req, canvas, known_now, on_iteration)
+                accepted, lengths, calls = _autoregressive(runner, session, req, canvas, known_now, on_iteration,
+                                                           n_steps=canvas.shape[1] - fewest)
             else:
                 accepted, lengths, calls = _burst(runner, session, req, canvas, known_now, on_iteration,
                                                   max_left=canvas.shape[1] - fewest)
@@ -185,8 +187,10 @@ def _per_row(values: torch.Tensor, live: Optional[torch.Tensor], batch_size: int
     return values.new_zeros(batch_size).index_copy(0, live, values[: live.shape[0]])
 
 
-def _autoregressive(runner, session, req, canvas, known, on_iteration):
-    """One token per step in each row's visiting order, with no host read inside the loop."""
+def _autoregressive(runner, session, req, canvas, known, on_iteration, n_steps: int):
+    """One token per step in each row's visiting order, with no host read inside the loop. ``n_steps``, the
+    largest count of unknown positions of a row, read before the prefill (``T - fewest``): reading it again
+    here would stall the host until the prefill has run before the first step is queued."""
     B, T = canvas.shape
     device = canvas.device
     is_random = isinstance(req.order, str) and req.order == "random"
@@ -196,8 +200,7 @@ def _autoregressive(runner, session, req, canvas, known, on_iteration):
     rank = ar_rank(req.order, keys, B, T, device)
     visit = torch.where(known, (positions - T).to(rank.dtype), rank).argsort(dim=1, stable=True)  # (B, T)
     n_known = known.sum(1)
-    todo = T - n_known  # (B,)
-    n_steps = int(todo.max())  # the loop's one host read
+    todo = T - n_known  # (B,); its max is n_steps
     plan = runner.static(session, "ar", _pad_plan(ar_plan(visit, u, n_known), session.batch_size))
     for _ in range(n_steps):
         runner.ar(session, plan, req.temperature, req.top_k)

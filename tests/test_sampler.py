@@ -274,8 +274,9 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
                                                            buckets):
     """Host reads of tensor values (syncs on a GPU) in the loop: one per burst iteration (the remaining
     count and the non-finite flag), plus, for exact shapes, one before the first (bucketed: the largest count
-    ``generate`` read before the prefill bounds the first launch); for autoregressive sampling, one before the
-    loop (the step count) and one after it (the non-finite flag), none per token."""
+    ``generate`` read before the prefill bounds the first launch); for autoregressive sampling, one after the
+    loop (the non-finite flag), none per token nor before the loop (the step count is the largest unknown
+    count ``generate`` read before the prefill)."""
     from sigmafast import sampler
     from sigmafast.request import prepare
 
@@ -298,11 +299,11 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
         monkeypatch.setattr(torch.Tensor, name, counted)
     with torch.no_grad():
         if strategy == "autoregressive":
-            accepted, _, _ = sampler._autoregressive(runner, session, req, canvas, known_now, None)
+            accepted, _, _ = sampler._autoregressive(runner, session, req, canvas, known_now, None, n_steps=max_left)
         else:
             accepted, _, _ = sampler._burst(runner, session, req, canvas, known_now, None, max_left=max_left)
     monkeypatch.undo()
-    expected = 2 if strategy == "autoregressive" else len(accepted) + (0 if buckets else 1)
+    expected = 1 if strategy == "autoregressive" else len(accepted) + (0 if buckets else 1)
     assert len(reads) == expected, reads
     assert known_now.all()
 
