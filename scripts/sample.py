@@ -13,8 +13,9 @@ Every flag is a field of :class:`SampleArgs`. Three modes:
   (``"3 _ _ 7"``), or, without spaces, one token per character (``"01__1"``) when
   every data id is one digit (step, product, maze); for the others ``"421"``
   is the one id 421. On value tasks (``series``, ``vertical_rate``) the ids are
-  bins (and, for ``vertical_rate``, an aircraft type first), not values: the
-  printed samples are values, the bins' centres.
+  bins (and, for ``vertical_rate``, an aircraft type first: the ids after the
+  altitude bins, 421 to 424 with the task's defaults, for heavy jet, medium jet,
+  turboprop and piston), not values: the printed samples are values, the bins' centres.
   A template shorter than ``--length`` (the task's length by default) is padded
   with unknown positions.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -183,6 +185,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (``sample.py --live | head``): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 1
 
 
 def run(args: SampleArgs) -> int:

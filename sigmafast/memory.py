@@ -180,15 +180,17 @@ def check_training_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int,
 def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: int, seq_len: int,
                           device: torch.device, param_bytes: int, block_elements: Optional[int] = None,
                           available: Optional[int] = None, *, what: Optional[str] = None,
-                          remedy: str = "num_orders or the batch") -> int:
-    """The :func:`sampling_peak_bytes` estimate; a ``ValueError`` naming ``remedy`` (``num_orders`` and the
-    batch by default; the trainer's validity sampling names its own flag) when it exceeds the available memory
-    of ``device``. The free memory is read (unless ``available`` is given) only for estimates above
+                          remedy: Optional[str] = None) -> int:
+    """The :func:`sampling_peak_bytes` estimate; a ``ValueError`` naming ``remedy`` (by default the batch, and
+    ``num_orders`` when it is above 1; the trainer's validity sampling names its own flag) when it exceeds the
+    available memory of ``device``. The free memory is read (unless ``available`` is given) only for estimates above
     ``SAMPLING_CHECK_FLOOR``: small calls cost nothing."""
     need = sampling_peak_bytes(config, batch_size, num_orders, seq_len, param_bytes, block_elements)
     if available is None and need < SAMPLING_CHECK_FLOOR:
         return need
     what = what or f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens"
+    if remedy is None:  # one order cannot be fewer (and the lossless rule takes exactly one)
+        remedy = "num_orders or the batch" if num_orders > 1 else "the batch"
     return _check_fits(need, device, available, what, " per burst iteration", remedy)
 
 

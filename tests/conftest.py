@@ -123,9 +123,10 @@ def shakespeare():
 
 @pytest.fixture
 def enc(monkeypatch):
-    """GPT-2's BPE from ../shared/tiktoken, offline (skips when absent)."""
+    """GPT-2's BPE from $TIKTOKEN_CACHE_DIR, or else ../shared/tiktoken, offline (skips when absent)."""
     if not TIKTOKEN_CACHE.is_dir():
-        pytest.skip(f"GPT-2 BPE cache {TIKTOKEN_CACHE} is absent (../shared/tiktoken), tiktoken cannot load offline")
+        pytest.skip(f"GPT-2 BPE cache {TIKTOKEN_CACHE} is absent ($TIKTOKEN_CACHE_DIR, or else ../shared/tiktoken): "
+                    f"tiktoken cannot load offline")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
     return gpt2_encoding()
 
@@ -134,7 +135,7 @@ def enc(monkeypatch):
 def shakespeare_bins(tmp_path_factory):
     """Shakespeare prepared once per session with prepare_owt.py --from-text (read-only to its users)."""
     if not SHAKESPEARE.is_file() or not TIKTOKEN_CACHE.is_dir():
-        pytest.skip("../shared/data/tinyshakespeare.txt or ../shared/tiktoken is absent")
+        pytest.skip(f"{SHAKESPEARE} or the GPT-2 BPE cache {TIKTOKEN_CACHE} is absent")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
         data_dir = tmp_path_factory.mktemp("owt")

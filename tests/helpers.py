@@ -277,7 +277,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 SHARED = REPO.parent / "shared"
 SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
-TIKTOKEN_CACHE = SHARED / "tiktoken"
+TIKTOKEN_CACHE = Path(os.environ.get("TIKTOKEN_CACHE_DIR") or SHARED / "tiktoken")  # the user's own cache first
 
 
 def _script(name: str, module_name: str):

@@ -115,3 +115,23 @@ def test_sample_script_defaults_to_exact_sampling():
     args = sample_script().SampleArgs(checkpoint="ckpt.pt")
     assert (args.strategy, args.acceptance, args.num_orders) == ("burst", "lossless", 1)
     assert sample_script().SampleArgs(checkpoint="ckpt.pt", acceptance="paper").num_orders == 5
+
+
+def test_sample_script_stops_quietly_when_its_reader_leaves(trained_dir):
+    """``sample.py ... | head``: once the reader has gone, the writes fail with EPIPE; the script stops with
+    exit status 1 and no traceback. 3000 rows print far more than a pipe buffers, so the reader always leaves
+    with writes still to come."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    script = REPO / "scripts" / "sample.py"
+    with subprocess.Popen([sys.executable, str(script), "--checkpoint", str(trained_dir / "ckpt.pt"),
+                           "--num-samples", "3000", "--strategy", "autoregressive"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        proc.stdout.read(1)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=300)
+    assert code == 1 and err == "", err

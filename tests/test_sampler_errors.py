@@ -184,3 +184,12 @@ def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(
     assert check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many) == many
     with pytest.raises(ValueError, match="num_orders=10 with 4 rows of 8 tokens"):
         check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many - 1)
+
+
+def test_one_order_burst_memory_error_names_only_the_batch(model):
+    """With one order (the lossless rule's only value) there is no num_orders to reduce: the error names the batch."""
+    from sigmafast.memory import check_sampling_memory, sampling_peak_bytes
+
+    need = sampling_peak_bytes(model.config, 4, 1, T, 8)
+    with pytest.raises(ValueError, match=r"available: reduce the batch$"):
+        check_sampling_memory(model.config, 4, 1, T, torch.device("cpu"), 8, available=need - 1)

@@ -129,7 +129,8 @@ class CharTask(Task):
     def encode(self, text: str) -> list[int]:
         unknown = sorted(set(text) - self._index.keys())
         if unknown:
-            raise ValueError(f"characters {unknown!r} are not in the vocabulary of {self.path}")
+            raise ValueError(f"characters {unknown!r} are not in the vocabulary (the characters {self.path} held "
+                             f"when the task was built: a checkpoint keeps them)")
         return [self._index[c] for c in text]
 
     def decode(self, tokens) -> str:
