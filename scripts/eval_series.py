@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -79,11 +80,18 @@ def run(args: EvalArgs) -> int:
     return 0
 
 
+def as_flags(message: str) -> str:
+    """An evaluation error in this script's words: the argument it starts with (``num_sequences must be ...``)
+    as its flag (``--num-sequences must be ...``)."""
+    names = "|".join(f.name for f in dataclasses.fields(EvalArgs))
+    return re.sub(rf"^({names})\b", lambda m: "--" + m[1].replace("_", "-"), message)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         return run(EvalArgs(**vars(build_parser().parse_args(argv))))
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {as_flags(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -179,11 +180,25 @@ class LiveView:
         self.stream.flush()
 
 
+SAMPLER_ARGUMENTS = ("acceptance", "max_new_tokens", "num_orders", "order", "strategy", "temperature", "top_k")
+
+
+def as_flags(message: str) -> str:
+    """A sampler's error in this script's words: its arguments as flags (``num_orders=1`` as ``--num-orders 1``,
+    ``top_k`` as ``--top-k``; ``order`` only with a value, being a word of the messages too), and the rows of
+    ``idx`` as ``--num-samples``."""
+    names = "|".join(SAMPLER_ARGUMENTS)
+    message = re.sub(rf"\b({names})=('?)([^',\s)]*)\2", lambda m: f"--{m[1].replace('_', '-')} {m[3]}", message)
+    words = "|".join(n for n in SAMPLER_ARGUMENTS if n != "order")
+    message = re.sub(rf"(?<!-)\b({words})\b", lambda m: "--" + m[1].replace("_", "-"), message)
+    return message.replace("the batch (the rows of idx)", "--num-samples")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         return run(SampleArgs(**vars(build_parser().parse_args(argv))))
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {as_flags(str(e))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader left (``sample.py --live | head``): stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit

@@ -106,8 +106,7 @@ def test_sample_script_checkpoint_errors_name_its_flags(trained_dir, tmp_path, c
     for argv in (huge, [*huge, "--strategy", "autoregressive"], [*huge, "--infill", "3 _ 4"]):
         assert sample_script().main(argv) == 2  # the batch is an expanded view: refused before the canvas exists
         err = capsys.readouterr().err
-        assert err.startswith(f"error: a canvas of {10**12} rows of ") and err.endswith("reduce the batch (the rows "
-                                                                                       "of idx)\n"), err
+        assert err.startswith(f"error: a canvas of {10**12} rows of ") and err.endswith("reduce --num-samples\n"), err
     assert sample_script().main(["--checkpoint", str(tmp_path / "char" / "ckpt.pt"), "--prompt", "the cat "]) == 0
 
 
@@ -135,3 +134,20 @@ def test_sample_script_stops_quietly_when_its_reader_leaves(trained_dir):
         err = proc.stderr.read().decode()
         code = proc.wait(timeout=300)
     assert code == 1 and err == "", err
+
+
+@pytest.mark.parametrize("argv,message", [
+    pytest.param(["--num-orders", "3"], "--acceptance lossless uses a single order chosen before drafting: pass "
+                 "--num-orders 1 (got 3)", id="lossless-orders"),
+    pytest.param(["--top-k", "0"], "--top-k must be >= 1, got 0", id="top-k-0"),
+    pytest.param(["--strategy", "autoregressive", "--acceptance", "paper"], "--acceptance and --num-orders apply to "
+                 "--strategy burst only", id="ar-paper"),
+    pytest.param(["--order", "left-to-right"], "--strategy burst always verifies random orders; --order "
+                 "left-to-right needs", id="burst-left-to-right"),
+    pytest.param(["--max-new-tokens", "13"], "(prompt 0 + --max-new-tokens 13) exceeds", id="too-long"),
+])
+def test_sample_script_names_its_flags_in_the_sampler_s_errors(trained_dir, capsys, argv, message):
+    """generate's argument names, as the flags that set them."""
+    assert sample_script().main(["--checkpoint", str(trained_dir / "ckpt.pt"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

@@ -364,8 +364,13 @@ def test_eval_series_script(series_ckpt, capsys):
     out = capsys.readouterr().out
     assert "task series" in out and all(f"| {o} |" in out for o in ("left-to-right", "random", "fractal"))
     assert script.main(argv + ["--fractions", "0,x"]) == 2
+    assert capsys.readouterr().err == "error: --fractions must be comma-separated numbers, got '0,x'\n"
     assert script.main(argv + ["--orders", "sideways"]) == 2
-    assert "orders" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("error: --orders must be a non-empty sequence of")
+    assert script.main(["--checkpoint", str(path), "--num-sequences", "0"]) == 2
+    assert capsys.readouterr().err == "error: --num-sequences must be an int >= 1, got 0\n"
+    assert script.main(argv + ["--fractions", "0,0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --fractions must not repeat a value")
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**64)])
