@@ -162,3 +162,21 @@ def test_script_trains_and_resumes(tmp_path, capsys):
     assert script.main(argv) == 0
     assert script.main(argv + ["--max-iters", "3", "--resume"]) == 0
     assert read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 3
+
+
+def test_script_resume_after_the_text_moved_names_the_flag_that_finds_it(tmp_path, capsys):
+    """The char task re-reads its text on resume: a moved file is named with --text, which resumes from the new
+    path."""
+    script = load_script()
+    text = tmp_path / "a.txt"
+    text.write_text("the cat sat on the mat. " * 40)
+    out = ["--out-dir", str(tmp_path / "run")]
+    base = ["--task", "char", "--text", str(text), "--seq-len", "8", "--batch-size", "4", "--max-iters", "1",
+            "--eval-iters", "1", "--num-eval-samples", "0", "--preset", "tiny"]
+    assert script.main(base + out) == 0
+    moved = text.rename(tmp_path / "b.txt")
+    capsys.readouterr()
+    assert script.main(out + ["--resume", "--max-iters", "2"]) == 2
+    assert capsys.readouterr().err == f"error: char task text file (--text FILE): {text} does not exist\n"
+    assert script.main(out + ["--resume", "--max-iters", "2", "--text", str(moved)]) == 0
+    assert read_checkpoint(tmp_path / "run" / "ckpt.pt")["iter"] == 2

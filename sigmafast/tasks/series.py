@@ -76,7 +76,7 @@ def read_column(path: Union[str, Path], column: str) -> np.ndarray:
     """(N,) float64 values of ``column`` in the CSV file ``path``; clear errors for every bad input."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"series task: no CSV file at {path}")
+        raise FileNotFoundError(f"series task: no CSV file at {path} (pass the file with --csv FILE)")
     values: list[float] = []
     try:
         text = path.read_bytes().decode("utf-8-sig")  # -sig: drop a spreadsheet's byte-order mark

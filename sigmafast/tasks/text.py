@@ -94,7 +94,7 @@ class CharTask(Task):
 
     @functools.cached_property
     def _content(self) -> str:
-        return read_text(self.path, "char task text file")
+        return read_text(self.path, "char task text file (--text FILE)")
 
     @functools.cached_property
     def _data(self) -> dict[str, np.ndarray]:
