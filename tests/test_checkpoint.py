@@ -45,6 +45,34 @@ def test_atomic_save_keeps_old_file_on_failure(tmp_path, monkeypatch):
     assert torch.load(path) == {"v": 1}
 
 
+def test_atomic_save_syncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """A crash (power loss) right after a save must leave the old or the new checkpoint, never an empty or
+    partial one: the temporary file's data reach the disk before it is renamed over ckpt.pt, and the folder
+    holding the rename is synced after it."""
+    path = tmp_path / "ckpt.pt"
+    atomic_save({"v": 1}, path)
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino, os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    atomic_save({"v": 2}, path)
+    monkeypatch.undo()
+    renamed = [e for e in events if e[0] == "replace"]
+    assert len(renamed) == 1 and renamed[0][2] == str(path)
+    at, inode = events.index(renamed[0]), renamed[0][1]
+    assert ("fsync", inode) in events[:at], events  # the new checkpoint's data, before it replaces the old one
+    assert ("fsync", os.stat(tmp_path).st_ino) in events[at:], events  # the rename itself
+    assert torch.load(path) == {"v": 2}
+
+
 class _Foreign:
     """A class torch.load(weights_only=True) refuses to unpickle."""
 

@@ -4,6 +4,7 @@ import os
 import signal
 import socket
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -16,11 +17,12 @@ from sigmafast.train import TrainConfig, train
 WORLD = 2
 
 
-def config(out_dir) -> TrainConfig:
-    # grad_accum is global: 2 micro-steps, one per rank under DDP, both on the single process
-    return TrainConfig(task="permutation", seq_len=12, preset="tiny", batch_size=8, grad_accum=2, max_iters=6,
-                       warmup_iters=1, lr=3e-3, eval_interval=3, eval_iters=2, log_interval=1,
-                       num_eval_samples=0, out_dir=str(out_dir))
+def config(out_dir, **kw) -> TrainConfig:
+    # grad_accum is global: 4 micro-steps, two per rank under DDP (gradients synchronised on the last only), all
+    # four on the single process
+    return TrainConfig(**{**dict(task="permutation", seq_len=12, preset="tiny", batch_size=8, grad_accum=4,
+                                 max_iters=6, warmup_iters=1, lr=3e-3, eval_interval=3, eval_iters=2, log_interval=1,
+                                 num_eval_samples=0, out_dir=str(out_dir)), **kw})
 
 
 def free_port() -> int:
@@ -29,11 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, port: int, out_dir: str, result_dir: str) -> None:
+def worker(rank: int, port: int, out_dir: str, result_dir: str, kw: Optional[dict] = None) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
-    result = train(config(out_dir))
+    result = train(config(out_dir, **(kw or {})))
     assert not dist.is_initialized(), "train() destroys the process group it created"
     torch.save(
         {"params": [p.detach() for p in result.model.parameters()],
@@ -70,6 +72,7 @@ def test_ddp_two_cpu_ranks_match_single_process(tmp_path, monkeypatch):
     assert sorted(os.listdir(ddp_out)) == [".lock", "ckpt.pt"]  # rank 0 holds the lock
     ckpt = read_checkpoint(ddp_out / "ckpt.pt")
     assert ckpt["iter"] == 6 and len(ckpt["rng"]) == WORLD
+    assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])  # each rank its own dropout masks
 
 
 class _SigintAfterFirst(list):
@@ -82,9 +85,12 @@ class _SigintAfterFirst(list):
             yield batch
 
 
+DROPOUT = 0.1  # the stopped and resumed run's: the ranks' own RNG states matter on resume
+
+
 def stopping_worker(rank: int, port: int, out_dir: str, result_dir: str) -> None:
-    """A rank of the run of :func:`config`; rank 0 gets a SIGINT inside its iter-3 evaluation, after its first
-    validation batch, and the other rank gets none."""
+    """A rank of the run of :func:`config` with dropout; rank 0 gets a SIGINT inside its iter-3 evaluation, after
+    its first validation batch, and the other rank gets none."""
     import sigmafast.train as train_mod
 
     real, calls = train_mod.estimate_val_loss, []
@@ -97,15 +103,16 @@ def stopping_worker(rank: int, port: int, out_dir: str, result_dir: str) -> None
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
-    result = train(config(out_dir))
+    result = train(config(out_dir, dropout=DROPOUT))
     torch.save({"interrupted": result.interrupted, "history": result.history,
                 "steps": [e["iter"] for e in result.train_log]}, os.path.join(result_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow
-def test_ddp_stop_request_during_rank0_evaluation_stops_every_rank(tmp_path, monkeypatch):
+def test_ddp_stop_request_during_rank0_evaluation_stops_every_rank_and_resume_matches(tmp_path, monkeypatch):
     """Only rank 0 evaluates: a stop request there abandons its evaluation, and the collective stop decision
-    takes every rank to the same checkpoint, with no deadlock."""
+    takes every rank to the same checkpoint, with no deadlock. Resumed under DDP, each rank with its own stored
+    RNG state (dropout masks), the run ends as the uninterrupted DDP run does, bit for bit."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     out, results = tmp_path / "ddp", tmp_path / "results"
@@ -123,3 +130,11 @@ def test_ddp_stop_request_during_rank0_evaluation_stops_every_rank(tmp_path, mon
     assert [h["iter"] for h in ranks[0]["history"]] == [0] and ranks[1]["history"] == []
     ckpt = read_checkpoint(out / "ckpt.pt")
     assert ckpt["iter"] == 3 and len(ckpt["rng"]) == WORLD and [h["iter"] for h in ckpt["history"]] == [0]
+
+    kw = dict(dropout=DROPOUT)
+    mp.spawn(worker, args=(free_port(), str(out), str(results), {**kw, "resume": True}), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(free_port(), str(tmp_path / "straight"), str(results), kw), nprocs=WORLD, join=True)
+    a, b = read_checkpoint(tmp_path / "straight" / "ckpt.pt"), read_checkpoint(out / "ckpt.pt")
+    assert b["iter"] == a["iter"] == 6 and b["history"] == a["history"]
+    for name, weight in a["model"].items():
+        assert torch.equal(weight, b["model"][name]), name

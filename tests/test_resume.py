@@ -43,6 +43,21 @@ def test_resume_after_sigterm_matches_uninterrupted_run(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_resume_keeps_the_best_validation_losses_of_the_stored_run(tmp_path):
+    """The best validation losses are the whole run's, not the resumed part's: a best stored in the checkpoint
+    (here lower than any evaluation of the resumed part reaches) is kept, and a resumed run's evaluations
+    lower it only where they do better."""
+    train(small_cfg(tmp_path, max_iters=4))
+    path = tmp_path / "ckpt.pt"
+    ckpt = read_checkpoint(path)
+    ckpt["best_val_loss"] = {"random": 0.25, "l2r": 1e9}  # l2r: any evaluation does better
+    torch.save(ckpt, path)
+    resumed = train(small_cfg(tmp_path, max_iters=8, resume=True))
+    assert [h["iter"] for h in resumed.history] == [0, 4, 8]
+    best = read_checkpoint(path)["best_val_loss"]
+    assert best == {"random": 0.25, "l2r": min(h["val_loss_l2r"] for h in resumed.history[2:])}
+
+
 def test_extending_a_run_with_pinned_schedules_matches_the_longer_run(tmp_path):
     """A run stopped at its max_iters and resumed with a larger one is the longer run when the schedules that
     max_iters would set are pinned: the learning rate's decay and the curriculum's left-to-right share."""

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import sigmafast.train as train_mod
+from sigmafast.batches import get_batch
 from sigmafast.checkpoint import read_checkpoint
+from sigmafast.kernels import row_blocks
 from sigmafast.loss import step_weights
 from sigmafast.model import SigmaGPT, SigmaGPTConfig
 from sigmafast.tasks import get_task
@@ -140,6 +142,80 @@ def test_char_recipe_order_is_dropped_for_diffusion_and_unused_eval_samples_are_
     assert err == ("error: --num-eval-samples (4) needs a task with a validity metric, and task 'char' "
                    "has none: pass 0 or leave it out\n")
     assert not (tmp_path / "n" / "ckpt.pt").exists()
+
+
+def test_every_micro_step_draws_its_own_batch():
+    """A micro-batch is a pure function of (seed, step, micro-step index): the same arguments draw it again, and
+    another micro-step of the same step, another step or another seed draws another batch (else the micro-steps
+    of grad_accum, and DDP's ranks, would train on copies of one batch)."""
+    task = get_task("permutation", seq_len=12)
+    cfg = resolve(small_cfg("unused"), task.seq_len)
+    start_pos = build_model_config(cfg, task).start_pos
+
+    def tokens(step, index, seed=cfg.seed):
+        c = cfg if seed == cfg.seed else resolve(small_cfg("unused", seed=seed), task.seq_len)
+        return get_batch(task, c, step, index, start_pos, torch.device("cpu"))[0]
+
+    assert torch.equal(tokens(3, 1), tokens(3, 1))
+    drawn = [tokens(3, 0), tokens(3, 1), tokens(4, 0), tokens(4, 1), tokens(3, 0, seed=cfg.seed + 1)]
+    for i, a in enumerate(drawn):
+        for b in drawn[i + 1:]:
+            assert not torch.equal(a, b)
+
+
+def test_curriculum_batches_follow_the_scheduled_left_to_right_share():
+    """Order "curriculum" trains on the share of left-to-right rows that its schedule (and the logged l2r
+    fraction) gives the step: all 8 rows from curriculum_start 1 at step 0, 4 at half-way, none at
+    curriculum_iters."""
+    task = get_task("permutation", seq_len=12)
+    cfg = resolve(small_cfg("unused", order="curriculum", curriculum_start=1.0, curriculum_iters=4), task.seq_len)
+    start_pos = build_model_config(cfg, task).start_pos
+
+    def l2r_rows(step):
+        out_pos = get_batch(task, cfg, step, 0, start_pos, torch.device("cpu"))[2]
+        return int((out_pos == torch.arange(task.seq_len)).all(dim=1).sum())
+
+    assert [l2r_rows(step) for step in (0, 2, 4)] == [8, 4, 0]
+
+
+def test_grad_clip_bounds_the_update_and_leaves_small_gradients_alone(tmp_path):
+    """--grad-clip far above the gradients' norm trains exactly as no clipping (0); a tiny one changes the run."""
+    kw = dict(max_iters=3, eval_interval=3)
+    runs = {clip: train(small_cfg(tmp_path / str(clip), grad_clip=clip, **kw)).model for clip in (0.0, 1e9, 1e-4)}
+    for p, q, r in zip(*(m.parameters() for m in runs.values())):
+        assert torch.equal(p, q)
+    assert not all(torch.equal(p, r) for p, r in zip(runs[0.0].parameters(), runs[1e-4].parameters()))
+
+
+@pytest.mark.parametrize("objective", ["sigma", "diffusion"])
+def test_training_never_holds_more_than_one_chunk_of_logits(objective, tmp_path, monkeypatch):
+    """The training loss is chunked (sigmafast.loss): with CPU chunks of 5 rows of logits, no tensor that a
+    training run allocates (its steps, their backward and its evaluations) holds the logits of more rows, where
+    a micro-batch has 8 x 12 = 96."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = small_cfg(tmp_path, task="random_walk", objective=objective, max_iters=2, eval_interval=2)
+    task = get_task("random_walk", seq_len=12)
+    V = build_model_config(resolve(cfg, task.seq_len), task).vocab_size  # 153 or 154: no other dimension's size
+    monkeypatch.setattr(row_blocks, "CPU_BLOCK_ELEMENTS", 5 * V)
+    rows = []
+
+    class LogitRows(TorchDispatchMode):
+        """The rows of every newly allocated tensor whose last dimension is the vocabulary (not the views, such as
+        the LM head's transpose, nor the in-place results)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            rows.extend(t.numel() // V for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                        and t.dim() and t.shape[-1] == V and t.untyped_storage().data_ptr() not in inputs)
+            return out
+
+    with LogitRows():
+        train(cfg)
+    assert rows and max(rows) == 5
 
 
 def test_derived_lr_decay_covers_the_warm_up():
