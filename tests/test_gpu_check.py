@@ -82,3 +82,26 @@ def test_script_flags_parse(gpu_calls):
         done = subprocess.run([sys.executable, "-c", PARSE_ONLY, *call], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, (call, done.stderr[-2000:])
+
+
+def test_the_sweep_ranks_no_tiling_whose_output_differs_from_the_defaults(monkeypatch):
+    """``sweep_vocab.mismatch``: rounding-level differences of log q and a rare flipped token pass; a wrong
+    value, a token flipped in 2% of rows, another dtype or shape is named, so the sweep does not rank it."""
+    import importlib
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    mismatch = importlib.import_module("sweep_vocab").mismatch
+    logq = torch.tensor([-1.5, -float("inf"), -20.0, 0.0])
+    assert mismatch(logq, logq + 1e-4) is None
+    assert "differs by up to 0.1" in mismatch(logq, logq + torch.tensor([0, 0, 0, 0.1]))
+    assert "differs by up to inf" in mismatch(logq, torch.tensor([-1.5, 0.0, -20.0, 0.0]))
+    tokens = torch.arange(100)
+    flipped = tokens.clone()
+    flipped[0] = 7
+    assert mismatch(tokens, flipped) is None
+    flipped[1] = 7
+    assert mismatch(tokens, flipped) == "tokens agree with the defaults' in 98.0% of rows"
+    assert "got torch.float32" in mismatch(tokens, tokens.float())
+    assert "(99,)" in mismatch(tokens, tokens[1:])
