@@ -49,6 +49,14 @@ METHODS = {
 SAME_LAW = [("AR", "lossless"), ("AR, T=0.7", "lossless, T=0.7")]
 
 
+def sampling_seed(method: str, start: int) -> int:
+    """The seed of the generator that samples rows ``start..`` with ``method``: one stream per method, so that the
+    samples the two-sample tests compare are independent. With one seed for all, AR's order keys would be the
+    lossless drafts' uniforms and its token uniforms the lossless orders' keys (``sigmafast.sampler``'s
+    protocol), coupling the two samples the tests take as independent."""
+    return 1234 + 1_000_003 * list(METHODS).index(method) + start
+
+
 def two_proportion_p_value(k1: int, n1: int, k2: int, n2: int) -> float:
     """Two-sided p-value of the pooled two-proportion z-test (1.0 when both are 0% or 100%)."""
     pooled = (k1 + k2) / (n1 + n2)
@@ -102,7 +110,7 @@ def measure(model, task, method: str, n: int, device: torch.device) -> QualityRo
         rows = min(CHUNK, n - start)
         canvas = task.sample_batch(rows, "val", torch.Generator().manual_seed(start)).to(device)
         known = task.prompt_mask.to(device).expand(rows, task.seq_len)
-        g = torch.Generator(device).manual_seed(1234 + start)
+        g = torch.Generator(device).manual_seed(sampling_seed(method, start))
         tokens, stats = sigmafast.generate(model, canvas, known=known, generator=g, return_stats=True,
                                            **METHODS[method])
         synchronize(device)
@@ -128,6 +136,11 @@ def markdown_table(title: str, rows: list[QualityRow]) -> str:
 def test_two_proportion_p_value_known_values():
     assert abs(two_proportion_p_value(50, 100, 50, 100) - 1.0) < 1e-12
     assert abs(two_proportion_p_value(60, 100, 40, 100) - 0.004677734981047) < 1e-9
+
+
+def test_each_method_samples_with_its_own_stream():
+    seeds = {sampling_seed(m, start) for m in METHODS for start in range(0, 4000, CHUNK)}
+    assert len(seeds) == len(METHODS) * len(range(0, 4000, CHUNK))
 
 
 def test_two_mean_p_value_and_distinct_tokens():

@@ -10,7 +10,7 @@ import triton
 
 from helpers import assert_same_tokens as _assert_same_tokens
 from helpers import chi2_pvalue as _chi2_pvalue
-from helpers import assert_log_ratio, on_triton_device, triton_device
+from helpers import P_FAIL, assert_log_ratio, on_triton_device, triton_device, truncated_log_probs
 from sigmafast.kernels import accept, residual, sampling
 from sigmafast.kernels import reference as ref
 
@@ -208,10 +208,10 @@ def test_multi_chunk_chi_square():
     q, p = torch.randn(2, 37, generator=g)
     N = 20000
     tokens, _ = sample(q.expand(N, 37), torch.rand(N, generator=g), 1.2, 20, block_v=8)
-    assert _chi2_pvalue(torch.bincount(tokens, minlength=37), ref.log_probs(q, 1.2, 20).exp()) > 1e-3
+    assert _chi2_pvalue(torch.bincount(tokens, minlength=37), truncated_log_probs(q, 1.2, 20).exp()) > P_FAIL
     tokens = residual_sample(q.expand(N, 37), p.expand(N, 37), torch.rand(N, generator=g), block_v=8)
     r = (q.softmax(-1) - p.softmax(-1)).clamp_min(0)
-    assert _chi2_pvalue(torch.bincount(tokens, minlength=37), r / r.sum()) > 1e-3
+    assert _chi2_pvalue(torch.bincount(tokens, minlength=37), r / r.sum()) > P_FAIL
 
 
 def test_uniform_grid_matches_reference_token_for_token():

@@ -1,8 +1,10 @@
+import itertools
 import math
 from collections import deque
 
 import pytest
 import torch
+from helpers import P_FAIL, chi2_pvalue
 
 from sigmafast import orders
 
@@ -56,6 +58,26 @@ def test_fractal_seven():
 def test_fractal_matches_queue_bfs(n):
     assert orders.fractal_order(n) == bfs_fractal(n)
     assert torch.equal(orders.fractal(2, n)[1], torch.tensor(bfs_fractal(n)))
+
+
+def _permutation_counts(o: torch.Tensor) -> torch.Tensor:
+    """How often each of the T! permutations (in ``itertools.permutations`` order) is a row of ``o``."""
+    T = o.shape[1]
+    index = {p: i for i, p in enumerate(itertools.permutations(range(T)))}
+    return torch.bincount(torch.tensor([index[tuple(r)] for r in o.tolist()]), minlength=len(index))
+
+
+def test_random_orders_are_uniform_permutations():
+    """24000 random orders of 4 positions against the uniform law of the 24 permutations (chi-square), and
+    known_first's known positions {0, 2} then unknown {1, 3}: each group in uniform order (4 outcomes)."""
+    N = 24000
+    o = orders.random(N, 4, generator=torch.Generator().manual_seed(3))
+    assert chi2_pvalue(_permutation_counts(o), torch.full((24,), 1 / 24, dtype=torch.float64)) > P_FAIL
+    known = torch.tensor([True, False, True, False]).expand(N, 4)
+    o = orders.known_first(known, generator=torch.Generator().manual_seed(4))
+    assert known.gather(1, o)[:, :2].all()
+    code = (o[:, 0] == 2).long() * 2 + (o[:, 2] == 3).long()
+    assert chi2_pvalue(torch.bincount(code, minlength=4), torch.full((4,), 0.25, dtype=torch.float64)) > P_FAIL
 
 
 def test_left_to_right_is_identity():

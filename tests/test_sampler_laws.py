@@ -5,8 +5,10 @@ renormalised; the exact random-order autoregressive law is then the average over
 of those truncated conditionals. Autoregressive sampling in random order follows it by construction, and the
 lossless burst rule must too: its drafts, ratios and residuals all use the same truncated laws. The law is
 enumerated from ``naive.naive_logits`` of a float64 copy of the model (one forward for every prefix of every
-order), independently of the samplers' code. With known tokens (infilling), the model reads them first, in
-ascending positions, and the law averages the visiting orders of the unknown positions.
+order), with the temperature and the truncation written out apart (``helpers.truncated_log_probs``), independently
+of the samplers' code (``kernels.reference.process_logits``, which both samplers share). With known tokens
+(infilling), the model reads them first, in ascending positions, and the law averages the visiting orders of the
+unknown positions.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ from typing import Optional
 
 import pytest
 import torch
-from helpers import tiny_model
-from test_sampler import chi2_sf
+from helpers import P_FAIL, chi2_pvalue, tiny_model, truncated_log_probs
 
 import sigmafast
 from sigmafast import naive
-from sigmafast.kernels.reference import log_probs
 
 T4, V4, N = 4, 4, 20000  # ids 0..2 and BOS = 3 (a data token too): 256 outcomes
 
@@ -39,23 +39,13 @@ def truncated_law(model, temperature: float, top_k, known: Optional[dict] = None
         prefixes = [(t, p) for t in range(len(perm)) for p in itertools.product(range(V4), repeat=t)]
         queries = [(given + list(perm[:t]), [known[j] for j in given] + list(p), perm[t]) for t, p in prefixes]
         with torch.no_grad():
-            logp = log_probs(naive.naive_logits(model, queries, T4), temperature, top_k)  # (Q, V)
+            logp = truncated_log_probs(naive.naive_logits(model, queries, T4), temperature, top_k)  # (Q, V)
         row = {key: i for i, key in enumerate(prefixes)}
         for s, seq in enumerate(seqs):
             value = dict(zip(unknown, seq))
             visited = tuple(value[j] for j in perm)
             law[s] += sum(logp[row[(t, visited[:t])], visited[t]] for t in range(len(perm))).exp()
     return law / len(orders)
-
-
-def chi2_p(counts: torch.Tensor, law: torch.Tensor) -> float:
-    """Chi-square p-value of ``counts`` against ``law``, cells expecting under 5 draws pooled into one."""
-    expected = law * counts.sum()
-    big = expected >= 5
-    rare = ~big & (law > 0)
-    obs = torch.cat([counts[big], counts[rare].sum()[None]] if rare.any() else [counts[big]])
-    exp = torch.cat([expected[big], expected[rare].sum()[None]] if rare.any() else [expected[big]])
-    return chi2_sf(float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1)
 
 
 @pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
@@ -71,7 +61,7 @@ def test_top_k_sampling_has_the_truncated_random_order_law(strategy, temperature
     code = (x * V4 ** torch.arange(T4 - 1, -1, -1)).sum(1)
     counts = torch.bincount(code, minlength=V4 ** T4).double()
     assert counts[law == 0].sum() == 0, "a sequence outside every order's top-k was sampled"
-    assert chi2_p(counts, law) > 1e-3
+    assert chi2_pvalue(counts, law) > P_FAIL
 
 
 @pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
@@ -91,4 +81,4 @@ def test_infilling_has_the_conditional_random_order_law(strategy, top_k):
                            generator=torch.Generator().manual_seed(12))
     assert torch.equal(x[mask], canvas[mask])
     code = x[:, 1] * V4 + x[:, 3]
-    assert chi2_p(torch.bincount(code, minlength=V4 ** 2).double(), law) > 1e-3
+    assert chi2_pvalue(torch.bincount(code, minlength=V4 ** 2), law) > P_FAIL
