@@ -320,3 +320,29 @@ def test_candidate_counts_around_the_cap(extra, dtype, poisoned_empty):
     want = ref.log_probs(x.float(), 0.8, k).gather(-1, drafts[:, None]).squeeze(-1)
     assert torch.equal(logq.isfinite(), want.isfinite())
     torch.testing.assert_close(logq[want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_an_overflowing_candidate_is_stored_nowhere(dtype, monkeypatch):
+    """A row with cap + 1 candidates overflows its list: the candidate given slot ``cap`` is dropped, not written
+    into the first slot of the next row's list (on a GPU that row may have filled it already) nor, for the last
+    row, past the end of the (N, cap) list, here followed by a guard row that must stay untouched."""
+    N, V, cap = 3, 1000, 8
+    k = cap + 1
+    g = torch.Generator().manual_seed(2)
+    x = -1 - 9 * torch.rand(N, V, generator=g)
+    for i in range(N):  # k positive values in k distinct 16-column chunks: k candidates per row
+        x[i, torch.randperm(V // 16, generator=g)[:k] * 16 + i] = 1 + torch.rand(k, generator=g) * 4
+    x = x.to(dtype).to(triton_device())
+    real_empty, lists = torch.empty, []
+
+    def empty(*size, **kwargs):  # the candidate lists, followed by a guard row
+        if size == (N, cap) and kwargs.get("dtype") == torch.int32:
+            lists.append(real_empty(N + 1, cap, **kwargs).fill_(-7))
+            return lists[-1][:N]
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    _, cand, count = topk.prefilter(x, k, topk.prefilter_config(V, dtype, k, None, 16, 1), cap)
+    assert count.tolist() == [k] * N and len(lists) == 1
+    assert torch.all(lists[0][N] == -7), "a candidate was stored past the end of its row's list"

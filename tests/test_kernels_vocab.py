@@ -351,3 +351,4 @@ def test_draft_logq_of_strided_drafts(poisoned_empty):
     got = accept.draft_logq(x.to(drafts.device), drafts, 0.9, None, 64)
     want = ref.log_probs(x, 0.9, None).gather(-1, d[:, None]).squeeze(-1)
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5)
+
