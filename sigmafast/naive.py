@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import reference as ref
-from .request import (ar_rank, build_stats, check_request_memory, check_callback, check_return_stats, draw, draw_burst,
+from .request import (ar_rank, build_stats, check_callback, check_request_memory, check_return_stats, draw, draw_burst,
                       inference, is_sigma_gpt, nonfinite_error, prepare)
 
 

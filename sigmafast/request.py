@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .kernels.checks import check_temperature
-from .memory import check_canvas_memory
+from .memory import check_canvas_memory, check_decoding_memory, check_sampling_memory
 
 STRATEGIES = ("burst", "autoregressive")
 ACCEPTANCE_RULES = ("paper", "lossless")
@@ -165,7 +165,6 @@ def check_request_memory(model, req: Request, rows: Optional[int] = None) -> Non
     if not is_sigma_gpt(model):
         return
     from .kernels import backend_for, row_blocks
-    from .memory import check_decoding_memory, check_sampling_memory
 
     param = next(model.parameters())
     B, T = req.canvas.shape if rows is None else (rows, req.canvas.shape[1])

@@ -71,7 +71,7 @@ from typing import Callable, Optional
 import torch
 
 from .engine import NeuralConditionals
-from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_request_memory, check_callback, check_int,
+from .request import (BurstDraws, SampleStats, ar_rank, build_stats, check_callback, check_int, check_request_memory,
                       check_return_stats, draw, draw_burst, inference, is_sigma_gpt, nonfinite_error, prepare)
 from .runner import Engine, runner_for
 from .steps import ARPlan, ar_plan

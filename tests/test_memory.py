@@ -105,7 +105,7 @@ def test_only_burst_sampling_checks_the_burst_memory(monkeypatch):
     """The burst estimate (whose error says "reduce num_orders") guards the burst samplers only: autoregressive
     sampling (checked for its KV cache instead), densities and the diffusion sampler run no burst iteration."""
     import sigmafast
-    import sigmafast.memory
+    import sigmafast.request
     import sigmafast.naive
     from sigmafast import diffusion
     from sigmafast.density import conditional_density
@@ -114,7 +114,7 @@ def test_only_burst_sampling_checks_the_burst_memory(monkeypatch):
     def refuse(*args, **kwargs):
         raise ValueError("the burst memory check ran")
 
-    monkeypatch.setattr(sigmafast.memory, "check_sampling_memory", refuse)
+    monkeypatch.setattr(sigmafast.request, "check_sampling_memory", refuse)
     config = SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=2, n_embd=16)
     model = SigmaGPT(config).eval()
     empty = torch.zeros(2, 0, dtype=torch.long)
@@ -133,7 +133,7 @@ def test_only_burst_sampling_checks_the_burst_memory(monkeypatch):
 def test_the_burst_memory_check_counts_the_engine_s_batch_bucket(monkeypatch):
     """An engine with buckets allocates the next power of two of the batch: 9 rows are checked as 16."""
     import sigmafast
-    import sigmafast.memory
+    import sigmafast.request
 
     checked = []
 
@@ -141,7 +141,7 @@ def test_the_burst_memory_check_counts_the_engine_s_batch_bucket(monkeypatch):
         checked.append(batch_size)
         return 0
 
-    monkeypatch.setattr(sigmafast.memory, "check_sampling_memory", record)
+    monkeypatch.setattr(sigmafast.request, "check_sampling_memory", record)
     model = SigmaGPT(SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=2, n_embd=16)).eval()
     empty = torch.zeros(9, 0, dtype=torch.long)
     sigmafast.generate(model, empty, 6)
