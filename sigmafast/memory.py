@@ -186,12 +186,10 @@ def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: i
     available memory of ``device``. The free memory is read (unless ``available`` is given) only for estimates above
     ``SAMPLING_CHECK_FLOOR``: small calls cost nothing."""
     need = sampling_peak_bytes(config, batch_size, num_orders, seq_len, param_bytes, block_elements)
-    if available is None and need < SAMPLING_CHECK_FLOOR:
-        return need
     what = what or f"num_orders={num_orders} with {batch_size} rows of {seq_len} tokens"
     if remedy is None:  # one order cannot be fewer (and the lossless rule takes exactly one)
         remedy = "num_orders or the batch" if num_orders > 1 else "the batch"
-    return _check_fits(need, device, available, what, " per burst iteration", remedy)
+    return _check_fits(need, device, available, what, " per burst iteration", remedy, sampling=True)
 
 
 def check_decoding_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int, device: torch.device,
@@ -199,10 +197,8 @@ def check_decoding_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int,
     """The :func:`decoding_peak_bytes` estimate; a ``ValueError`` naming the batch when it exceeds the
     available memory of ``device`` (read only for estimates above ``SAMPLING_CHECK_FLOOR``)."""
     need = decoding_peak_bytes(config, batch_size, seq_len, param_bytes)
-    if available is None and need < SAMPLING_CHECK_FLOOR:
-        return need
     what = f"autoregressive sampling of {batch_size} rows of {seq_len} tokens"
-    return _check_fits(need, device, available, what, " (its KV cache at full length)", "the batch")
+    return _check_fits(need, device, available, what, " (its KV cache at full length)", "the batch", sampling=True)
 
 
 def check_canvas_memory(batch_size: int, seq_len: int, device: torch.device, available: Optional[int] = None) -> int:
@@ -210,15 +206,19 @@ def check_canvas_memory(batch_size: int, seq_len: int, device: torch.device, ava
     ``idx`` when even that exceeds the available memory of ``device``: checked before the canvas is built, so
     that a huge batch (an ``expand``-ed ``idx`` costs nothing) fails with a message, not in the allocator."""
     need = CANVAS_BYTES * batch_size * seq_len
-    if available is None and need < SAMPLING_CHECK_FLOOR:
-        return need
     what = f"a canvas of {batch_size} rows of {seq_len} tokens"
-    return _check_fits(need, device, available, what, " before sampling starts", "the batch (the rows of idx)")
+    return _check_fits(need, device, available, what, " before sampling starts", "the batch (the rows of idx)",
+                       sampling=True)
 
 
-def _check_fits(need: int, device: torch.device, available: Optional[int], what: str, per: str, remedy: str) -> int:
+def _check_fits(need: int, device: torch.device, available: Optional[int], what: str, per: str, remedy: str,
+                sampling: bool = False) -> int:
     """``need``; a ``ValueError`` "<what> needs about X GiB<per> but <device> has Y GiB available: reduce
-    <remedy>" when it exceeds the available memory of ``device`` (read now unless ``available`` is given)."""
+    <remedy>" when it exceeds the available memory of ``device`` (read now unless ``available`` is given).
+    ``sampling``: a sampling call's estimate, whose free memory is read only above ``SAMPLING_CHECK_FLOOR``
+    (small calls cost nothing)."""
+    if sampling and available is None and need < SAMPLING_CHECK_FLOOR:
+        return need
     have = available_bytes(device) if available is None else available
     if have is not None and need > have:
         raise ValueError(
