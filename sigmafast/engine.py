@@ -220,9 +220,9 @@ class NeuralSession:
         if m > 0:
             self.feed_known(m)
 
-    def load(self, canvas: torch.Tensor, known: torch.Tensor) -> int:
-        """Reset the buffers to ``canvas``/``known`` (an empty cache); the largest known count of a row
-        (the prefill's one host read)."""
+    def load(self, canvas: torch.Tensor, known: torch.Tensor, most: Optional[int] = None) -> int:
+        """Reset the buffers to ``canvas``/``known`` (an empty cache); the largest known count of a row:
+        ``most`` when the caller has read it already, else read here (the prefill's one host read)."""
         cfg = self.model.config
         n = canvas.shape[0]
         if self.head_weight is not self.model.lm_head.weight:
@@ -237,7 +237,7 @@ class NeuralSession:
         self.n_known.zero_()
         self.nonfinite.zero_()
         self.n_known[:n] = known.sum(1)
-        return int(self.n_known.max())
+        return int(self.n_known.max()) if most is None else most
 
     def feed_known(self, M: int) -> None:
         """Feed each row's ``n_known`` known tokens (ascending positions) into the cache: a static-shape step

@@ -300,10 +300,11 @@ class Engine(EagerRunner):
     def backend(self) -> str:
         return kernels.backend_for(next(self.model.parameters()))
 
-    def start(self, canvas: torch.Tensor, known: torch.Tensor) -> NeuralSession:
-        """Prefill a session of the (bucketed) batch size with ``canvas`` and ``known`` (B, T)."""
+    def start(self, canvas: torch.Tensor, known: torch.Tensor, most: Optional[int] = None) -> NeuralSession:
+        """Prefill a session of the (bucketed) batch size with ``canvas`` and ``known`` (B, T); ``most``, the
+        largest count of known tokens in a row when the caller has read it (else one host read here)."""
         with kernels.use_pdl(self.pdl):
-            return self._start(canvas, known)
+            return self._start(canvas, known, most)
 
     def burst(self, session, d: BurstDraws, R: int, temperature, top_k, rule):
         with kernels.use_pdl(self.pdl):
@@ -313,7 +314,7 @@ class Engine(EagerRunner):
         with kernels.use_pdl(self.pdl):
             self._ar(session, plan, temperature, top_k)
 
-    def _start(self, canvas: torch.Tensor, known: torch.Tensor) -> NeuralSession:
+    def _start(self, canvas: torch.Tensor, known: torch.Tensor, most: Optional[int]) -> NeuralSession:
         if self.cuda_graphs and canvas.device != self.device:  # a capture would hold none of its work
             raise ValueError(f"this Engine captures CUDA graphs on {self.device}, but its model is now on "
                              f"{canvas.device}: build an Engine for the model where it is")
@@ -341,7 +342,7 @@ class Engine(EagerRunner):
         else:
             session = NeuralSession(self.model, size, T, backend, fused_ends=self.fused_ends,
                                     scoring=self._scoring, fused_gelu=self.fused_gelu)
-        m = session.load(canvas, known)
+        m = session.load(canvas, known, most)
         if m > 0:  # the prompt's prefill: a static-shape step over the bucket of the largest known count
             M = self.r_bucket(m, T)
             if self.cuda_graphs:

@@ -145,7 +145,7 @@ def generate(
         if fewest == canvas.shape[1]:  # nothing to sample: no model call
             accepted, lengths, calls, prefill_calls = [], None if autoregressive else [], 0, 0
         else:
-            session = runner.start(canvas, known_now)
+            session = runner.start(canvas, known_now, most)
             prefill_calls = int(most > 0)
             if autoregressive:
                 accepted, lengths, calls = _autoregressive(runner, session, req, canvas, known_now, on_iteration,

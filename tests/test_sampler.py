@@ -277,15 +277,7 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
     runner = sigmafast.Engine(model, buckets=buckets)
     session = runner.start(canvas, known_now)
     max_left = int((~known_now).sum(1).max())
-    reads = []
-    for name in SYNCS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            reads.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = count_reads(monkeypatch)
     with torch.no_grad():
         if strategy == "autoregressive":
             accepted, _, _ = sampler._autoregressive(runner, session, req, canvas, known_now, None, n_steps=max_left)
@@ -295,6 +287,32 @@ def test_sampling_loop_reads_the_device_once_per_iteration(model, monkeypatch, s
     expected = 1 if strategy == "autoregressive" else len(accepted) + (0 if buckets else 1)
     assert len(reads) == expected, reads
     assert known_now.all()
+
+
+def count_reads(monkeypatch) -> list:
+    reads = []
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
+def test_autoregressive_generate_reads_the_device_three_times(model, monkeypatch, buckets):
+    """A whole autoregressive ``generate`` with a prompt: the token-range check of ``idx``, the fewest and
+    most known counts (one read, also handed to the prefill, which so reads nothing), and the non-finite
+    flag after the loop."""
+    idx = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(0))
+    engine = sigmafast.Engine(model, buckets=buckets)
+    reads = count_reads(monkeypatch)
+    sigmafast.generate(engine, idx, T - 4, strategy="autoregressive", generator=torch.Generator().manual_seed(1))
+    monkeypatch.undo()
+    assert reads == ["__bool__", "tolist", "__bool__"]
 
 
 def test_generate_defaults_to_exact_sampling():
