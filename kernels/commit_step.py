@@ -50,6 +50,13 @@ BLOCK_R = 16  # accepted rows per loop step of the KV copy
 STATE_BLOCK = 64  # steps per loop step of the canvas writes
 STATUS_BLOCK = 1024  # positions per pass of a row's unknown count
 
+
+@triton.jit
+def _wide(stride, UNIT: tl.constexpr):
+    """A stride passed in units of ``UNIT`` elements, in elements as int64."""
+    return stride.to(tl.int64) * UNIT
+
+
 _KV_STRIDES = [f"s_{t}{d}" for t in "kv" for d in "lboh"] + ["s_kr", "s_vr"] + [f"s_c{d}" for d in "lbhs"]
 
 
@@ -73,12 +80,15 @@ def _commit_kv_kernel(
     n = tl.minimum(tl.load(N + i_b).to(tl.int64), R)
     start = tl.load(LENS + i_b).to(tl.int64)
 
-    # strides come in units of STRIDE_UNIT elements (see utils); the head-dim stride is 1
-    s_kl, s_kb, s_ko, s_kh, s_kr = s_kl * STRIDE_UNIT, s_kb * STRIDE_UNIT, s_ko * STRIDE_UNIT, s_kh * STRIDE_UNIT, \
-        s_kr * STRIDE_UNIT
-    s_vl, s_vb, s_vo, s_vh, s_vr = s_vl * STRIDE_UNIT, s_vb * STRIDE_UNIT, s_vo * STRIDE_UNIT, s_vh * STRIDE_UNIT, \
-        s_vr * STRIDE_UNIT
-    s_cl, s_cb, s_ch, s_cs = s_cl * STRIDE_UNIT, s_cb * STRIDE_UNIT, s_ch * STRIDE_UNIT, s_cs * STRIDE_UNIT
+    # strides come in units of STRIDE_UNIT elements (see utils); the head-dim stride is 1. The layer and batch
+    # strides are multiplied back in int64: one of 2^31 elements or more (the cache's layer stride B·H·(L + 1)·D
+    # of a large batch) arrives as an int32 under 2^31 once divided by 16, and the int32 product would wrap
+    s_kl, s_kb, s_vl, s_vb = _wide(s_kl, STRIDE_UNIT), _wide(s_kb, STRIDE_UNIT), _wide(s_vl, STRIDE_UNIT), \
+        _wide(s_vb, STRIDE_UNIT)
+    s_cl, s_cb = _wide(s_cl, STRIDE_UNIT), _wide(s_cb, STRIDE_UNIT)
+    s_ko, s_kh, s_kr = s_ko * STRIDE_UNIT, s_kh * STRIDE_UNIT, s_kr * STRIDE_UNIT
+    s_vo, s_vh, s_vr = s_vo * STRIDE_UNIT, s_vh * STRIDE_UNIT, s_vr * STRIDE_UNIT
+    s_ch, s_cs = s_ch * STRIDE_UNIT, s_cs * STRIDE_UNIT
 
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D

@@ -298,3 +298,34 @@ def test_commit_reads_keys_and_values_strided_along_the_head_dim(case):
     for name in ("k_cache", "v_cache"):
         torch.testing.assert_close(got[name][..., :T, :].cpu(), want[name][..., :T, :].cpu(), rtol=0, atol=0,
                                    equal_nan=True, msg=name)
+
+
+def test_commit_into_a_cache_whose_layer_stride_passes_int32():
+    """A KV cache of (n_layer, B, H, L + 1, D) whose layer stride B·H·(L + 1)·D is 2^31 elements or more (a small
+    model sampling a large batch: 4 layers, C = 128, B = 4096, L = 4096 is 2^31 + 2^19 per layer, 34 GB of
+    bf16 caches). The launcher passes each stride in units of 16 (2^27, an int32 argument); multiplied back in
+    int32 it wrapped to -2^31, and layer 1's keys went 2^31 elements before layer 0, here onto the start of the
+    buffer (zeros that must stay zeros). 8 GiB of address space, of which only a few rows' pages are touched."""
+    S, L1, D = 1 << 31, 4, 16
+    dtype = torch.float16
+    buf = torch.empty(2 * S + 2 * L1 * D, dtype=dtype, device=DEVICE)  # k and v interleaved: layer l at (l + 1) S
+    buf[:2 * L1 * D].zero_()
+    for layer in (S, 2 * S):
+        buf[layer:layer + 2 * L1 * D].zero_()
+    k_cache, v_cache = (buf.as_strided((2, 1, 1, L1, D), (S, L1 * D, L1 * D, D, 1), S + i * L1 * D) for i in (0, 1))
+    g = torch.Generator().manual_seed(5)
+    keys = (torch.randn(2, 1, 1, 1, 2, D, generator=g) + 2).to(dtype).to(DEVICE)  # (n_layer, B, O, H, R, D)
+    values = -keys
+    state = dict(canvas=torch.zeros(1, 3, dtype=torch.long, device=DEVICE),
+                 known=torch.zeros(1, 3, dtype=torch.bool, device=DEVICE),
+                 last_tok=torch.zeros(1, dtype=torch.long, device=DEVICE),
+                 last_pos=torch.zeros(1, dtype=torch.long, device=DEVICE),
+                 k_cache=k_cache, v_cache=v_cache, lens=torch.ones(1, dtype=torch.long, device=DEVICE))
+    args = (torch.tensor([[[2, 0]]], device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE),
+            torch.full((1,), 2, dtype=torch.long, device=DEVICE), torch.tensor([[5, 6]], device=DEVICE), keys, values)
+    commit_step.commit(*args, **state)
+    for layer in (0, 1):
+        assert torch.equal(k_cache[layer, 0, 0, 1:3].cpu(), keys[layer, 0, 0, 0].cpu()), layer
+        assert torch.equal(v_cache[layer, 0, 0, 1:3].cpu(), values[layer, 0, 0, 0].cpu()), layer
+        assert k_cache[layer, 0, 0, 0].eq(0).all() and v_cache[layer, 0, 0, 3].eq(0).all()
+    assert buf[:2 * L1 * D].eq(0).all(), "a layer's rows written 2^31 elements before it"
