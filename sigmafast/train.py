@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 # Dense bf16 peak FLOP/s by device-name fragment, for the MFU estimate.
 _PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12),
                ("L40S", 362e12), ("L40", 181e12), ("4090", 165e12), ("A10", 125e12), ("L4", 121e12))  # dense bf16
+_MAX_ETA_S = 999_999_999 * 86_400  # the logged eta's cap: the largest whole-day timedelta
 
 
 @dataclass
@@ -367,7 +368,7 @@ class _Trainer:
             entry["mfu"] = mfu
             parts.append(f"mfu {100 * mfu:.1f}%")
         eta = (cfg.max_iters - it - 1) * window_time / max(window_steps, 1)
-        parts.append(f"eta {timedelta(seconds=round(eta))}")
+        parts.append(f"eta {timedelta(seconds=round(min(eta, _MAX_ETA_S)))}")  # a huge --max-iters: capped
         self.train_log.append(entry)
         self._info(" | ".join(parts))
 

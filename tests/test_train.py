@@ -69,6 +69,22 @@ def test_log_lines(tmp_path, caplog):
     assert any("val loss random" in r.getMessage() and "(ppl" in r.getMessage() for r in caplog.records)
 
 
+def test_a_huge_max_iters_logs_a_bounded_eta(tmp_path, monkeypatch, caplog):
+    """--max-iters passes validation at any size: an eta past what timedelta holds is logged capped, not an
+    OverflowError after the first step (the run here stops after it, as after a SIGINT during it)."""
+    step = train_mod._Trainer.step
+
+    def step_then_stop(self, it):
+        self.stop.requested = True
+        return step(self, it)
+
+    monkeypatch.setattr(train_mod._Trainer, "step", step_then_stop)
+    with caplog.at_level(logging.INFO, logger="sigmafast.train"):
+        result = train(small_cfg(tmp_path, max_iters=10**20))
+    assert result.interrupted and read_checkpoint(tmp_path / "ckpt.pt")["iter"] == 1
+    assert "iter 0/100000000000000000000 |" in caplog.text and "eta 999999999 days, 0:00:00" in caplog.text
+
+
 def test_validity_metric_from_sampled_sequences(tmp_path, monkeypatch):
     import sigmafast.sampler
 
