@@ -32,6 +32,7 @@ ACTIVATIONS_ATTENTION = 6  # saved (token, channel) elements per layer's attenti
 ACTIVATIONS_OUTSIDE = 2  # final LayerNorm in and out (the embeddings' sum is the first block's input)
 LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32 (chunks of LOSS_CHUNK_ELEMENTS)
 BLOCK_COPIES = 4  # a row block's logits, probabilities, CDF and signs, fp32 (kernels.row_blocks, reference path)
+SCORE_COPIES = 2  # the reference attention's (B, O, H, R, L + R) scores and their softmax
 LOSS_WEIGHT_GRADS = 2  # the chunked loss's (V, C) fp32 weight gradient, and its scaled copy in the backward
 SAMPLING_CHECK_FLOOR = 256 * 2**20  # smaller estimates skip reading the free memory
 CANVAS_BYTES = 8 + 1 + 8  # per token: the int64 canvas, the bool known mask, an int64 temporary while building them
@@ -112,11 +113,15 @@ def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int
       + s B O T C (2 L + 6)       verification: every layer's keys and values, and the activations of one layer
       + 4 B T V                   the draft's logits, whole (the Triton path: its residual reads them)
         or 16 N                   (the reference path, ``block_elements`` N) ``BLOCK_COPIES`` float32
-                                  temporaries of a block of rows of logits (``kernels.row_blocks``)
+        + 2 s B O H T (2 T + 1)   temporaries of a block of rows of logits (``kernels.row_blocks``), and
+                                  the verifier attention's scores and their softmax, ``SCORE_COPIES``
+                                  (H heads; R <= T queries over the T + 1 cache slots and R drafts)
 
     Neither path writes the (B, O, R, V) verifier logits whole: the Triton kernels score the
     drafts from hidden states in chunks, the reference a block of rows at a time, and the
-    reference path draws the drafts from hidden states a block at a time too.
+    reference path draws the drafts from hidden states a block at a time too. The Triton
+    attention keeps no scores; the reference's (``kernels.reference.verify_attention``) are the
+    largest tensors of a long canvas (a prompt's prefill is such a verification, of one order).
     """
     B, O, T = batch_size, num_orders, seq_len
     keys = 16 * B * O * T
@@ -124,7 +129,8 @@ def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int
     if block_elements is None:
         logits = FP32_BYTES * B * T * config.vocab_size
     else:
-        logits = BLOCK_COPIES * FP32_BYTES * block_elements
+        scores = SCORE_COPIES * param_bytes * B * O * config.n_head * T * (2 * T + 1)
+        logits = BLOCK_COPIES * FP32_BYTES * block_elements + scores
     return keys + verify + logits
 
 

@@ -153,7 +153,7 @@ def _autoregressive(model, req, canvas, known, history, on_iteration):
             count[b] = 1
         accepted.append(count)
         if on_iteration is not None:
-            on_iteration(canvas, known)
+            on_iteration(canvas.clone(), known.clone())
     return accepted, None, n_steps
 
 
@@ -206,5 +206,5 @@ def _burst(model, req, canvas, known, history, on_iteration):
         accepted.append(count)
         lengths.append(length)
         if on_iteration is not None:
-            on_iteration(canvas, known)
+            on_iteration(canvas.clone(), known.clone())
     return accepted, lengths, calls

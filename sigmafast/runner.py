@@ -79,7 +79,7 @@ class EagerRunner:
     def __init__(self, conds) -> None:
         self.conds = conds
 
-    def start(self, canvas: torch.Tensor, known: torch.Tensor):
+    def start(self, canvas: torch.Tensor, known: torch.Tensor, most: Optional[int] = None):  # most: Engine's hint
         return self.conds.prefill(canvas, known)
 
     def r_bucket(self, remaining: int, seq_len: int) -> int:

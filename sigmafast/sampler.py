@@ -127,7 +127,8 @@ def generate(
     ``num_orders`` orders: fewer iterations, not exact); values other than the
     defaults are errors under "autoregressive", which verifies no drafts.
     ``on_iteration(canvas,
-    known)``, when given, is called after every iteration (it may sync).
+    known)``, when given, is called after every iteration (it may sync) with copies of the (B, T) canvas and
+    mask: frames kept need no clone, and writing into them changes nothing.
     """
     target = unwrap_model(model)
     req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
@@ -206,7 +207,7 @@ def _autoregressive(runner, session, req, canvas, known, on_iteration, n_steps: 
         runner.ar(session, plan, req.temperature, req.top_k)
         if on_iteration is not None:
             _write_back(canvas, known, None, session)
-            on_iteration(canvas, known)
+            on_iteration(canvas.clone(), known.clone())  # snapshots: the caller may keep or change them
     if bool(plan.nonfinite):  # one read after the loop, of the flag the steps accumulated on the device
         raise nonfinite_error("logits")
     _write_back(canvas, known, None, session)
@@ -264,7 +265,7 @@ def _burst_static(runner, session, req, canvas, known, on_iteration, max_left: i
         lengths.append(n[:B])
         if on_iteration is not None:
             _write_back(canvas, known, None, session)
-            on_iteration(canvas, known)
+            on_iteration(canvas.clone(), known.clone())  # snapshots: the caller may keep or change them
         if max_left == 0:
             break
         bound = max_left - len(in_flight)
@@ -312,7 +313,7 @@ def _burst(runner, session, req, canvas, known, on_iteration, max_left: int):
         lengths.append(_per_row(n, live, B))
         if on_iteration is not None:
             _write_back(canvas, known, live, session)
-            on_iteration(canvas, known)
+            on_iteration(canvas.clone(), known.clone())  # snapshots: the caller may keep or change them
     _write_back(canvas, known, live, session)
     return accepted, lengths, calls
 

@@ -197,6 +197,31 @@ def test_on_iteration_sees_every_iteration(model):
     assert seen == sorted(seen) and seen[-1] == 2 * T
 
 
+@pytest.mark.parametrize("sampler", [sigmafast.generate, naive.generate])
+@pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
+def test_on_iteration_gets_snapshots_that_change_nothing(model, sampler, strategy):
+    """The callback sees copies: frames kept without a clone stay distinct, and writing into them (masking a display
+    in place) changes neither the samples nor the known tokens; rows finished early included (the exact-shape loop
+    drops them from its working batch)."""
+    canvas = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(1))
+    known = torch.zeros(4, T, dtype=torch.bool)
+    known[:3, 1:] = True  # rows 0..2 finish at the first iteration, row 3 (all unknown) later
+    kwargs = dict(known=known, strategy=strategy, temperature=3.0, generator=torch.Generator().manual_seed(0))
+    expected, stats = sampler(model, canvas, return_stats=True, **kwargs)
+    assert stats.accepted.shape[1] > 1  # row 3 outlives the others
+    frames = []
+
+    def scribble(c, k):
+        frames.append((c, k))
+        c.fill_(VOCAB - 1)
+        k.fill_(False)
+
+    kwargs["generator"] = torch.Generator().manual_seed(0)
+    out = sampler(model, canvas, on_iteration=scribble, **kwargs)
+    assert torch.equal(out, expected) and torch.equal(out[known], canvas[known])
+    assert all(f[0] is not out and f[0] is not g[0] and f[1] is not g[1] for f, g in zip(frames, frames[1:]))
+
+
 def test_model_training_flag_is_restored(model):
     model.train()
     sigmafast.generate(model, torch.zeros(1, 0, dtype=torch.long), T)

@@ -179,8 +179,10 @@ def test_orders_estimate_scales_with_num_orders_and_checks_the_available_memory(
     one, many = (sampling_peak_bytes(cfg, 4, o, T, 8) for o in (1, 10))
     per_order = 16 * 4 * T + 8 * 4 * T * cfg.n_embd * (2 * cfg.n_layer + 6)  # no logits per order on either path
     assert many - one == 9 * per_order
-    blocks = 1000  # the reference path: four float32 blocks of logits in place of the whole draft's
-    assert sampling_peak_bytes(cfg, 4, 10, T, 8, block_elements=blocks) == many - 4 * 4 * T * VOCAB + 16 * blocks
+    blocks = 1000  # the reference path: four float32 blocks of logits in place of the whole draft's, and the scores
+    scores = 2 * 8 * 4 * 10 * cfg.n_head * T * (2 * T + 1)
+    reference = many - 4 * 4 * T * VOCAB + 16 * blocks + scores
+    assert sampling_peak_bytes(cfg, 4, 10, T, 8, block_elements=blocks) == reference
     assert check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many) == many
     with pytest.raises(ValueError, match="num_orders=10 with 4 rows of 8 tokens"):
         check_sampling_memory(cfg, 4, 10, T, torch.device("cpu"), 8, available=many - 1)
@@ -193,3 +195,17 @@ def test_one_order_burst_memory_error_names_only_the_batch(model):
     need = sampling_peak_bytes(model.config, 4, 1, T, 8)
     with pytest.raises(ValueError, match=r"available: reduce the batch$"):
         check_sampling_memory(model.config, 4, 1, T, torch.device("cpu"), 8, available=need - 1)
+
+
+def test_a_burst_whose_reference_attention_scores_do_not_fit_is_refused(monkeypatch):
+    """On the reference path (the CPU's) the verifier attention's (B, O, H, R, L + R) scores and their softmax are
+    the largest tensors of a long canvas (here 64 x 2 x 512 x 1025 float32, 0.5 GiB, where the rest is 80 MiB): a
+    burst that cannot hold them is refused before it starts, not left to the allocator or the OOM killer."""
+    from sigmafast.model_config import SigmaGPTConfig
+
+    length, rows = 512, 64
+    model = sigmafast.SigmaGPT(SigmaGPTConfig(vocab_size=VOCAB, block_size=length, n_layer=1, n_head=2, n_embd=16))
+    scores = 2 * 4 * rows * 2 * length * (2 * length + 1)
+    monkeypatch.setattr(sigmafast.memory, "available_bytes", lambda device: scores)
+    with pytest.raises(ValueError, match=f"with {rows} rows of {length} tokens needs about .* reduce the batch$"):
+        sigmafast.generate(model.eval(), torch.zeros(rows, 0, dtype=torch.long), length)
