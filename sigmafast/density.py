@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .memory import check_density_memory
 from .request import inference, is_sigma_gpt, nonfinite_error, prepare
 from .sampler import unwrap_model, as_conditionals
 
@@ -20,17 +21,29 @@ def conditional_density(model, idx: torch.Tensor, known: torch.Tensor) -> torch.
         raise TypeError(f"known must be a (B, T) bool tensor, got {type(known).__name__}")
     req = prepare(model, idx, known=known)
     B, T = req.canvas.shape
+    check_probabilities_memory(model, B, T)
     conds = as_conditionals(model)
+    if T == 0:
+        return torch.zeros(B, 0, conds.vocab_size, device=req.canvas.device)
     with inference(model):
         session = conds.prefill(req.canvas, req.known)
         positions = torch.arange(T, device=req.canvas.device).expand(B, T)
-        logits = session.draft(positions) if T > 0 else None  # (B, T, V)
-        if logits is not None and bool(kernels.reference.nonfinite(logits, ~req.known)):
+        logits = session.draft(positions)  # (B, T, V)
+        if bool(kernels.reference.nonfinite(logits, ~req.known)):
             raise nonfinite_error("logits")
-        p = torch.softmax(kernels.reference.upcast(logits), dim=-1) if logits is not None else None  # fp32 at least
-    V = conds.vocab_size
-    one_hot = torch.nn.functional.one_hot(req.canvas, V).to(p.dtype if p is not None else torch.float32)
-    return one_hot if p is None else torch.where(req.known[..., None], one_hot, p)
+        p = torch.softmax(kernels.reference.upcast(logits), dim=-1)  # fp32 at least
+    del logits
+    known = req.known[..., None]  # (B, T, 1)
+    return p.masked_fill_(known, 0.0).scatter_add_(-1, req.canvas[..., None], known.to(p.dtype))  # one-hot where known
+
+
+def check_probabilities_memory(model, batch_size: int, seq_len: int) -> None:
+    """A ``ValueError`` naming the batch before a σ-GPT's forward whose (B, T, V) probabilities cannot fit
+    (:func:`sigmafast.memory.density_peak_bytes`); nothing for an oracle."""
+    if is_sigma_gpt(model):
+        param = next(model.parameters())
+        reference = kernels.backend_for(param) != "triton"
+        check_density_memory(model.config, batch_size, seq_len, param.device, param.element_size(), reference)
 
 
 def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
@@ -54,6 +67,7 @@ def log_likelihood(model, idx: torch.Tensor, order) -> torch.Tensor:
         raise TypeError(f"order must be a str or a (B, T) tensor, got {type(order).__name__}")
     if T == 0:  # the empty sequence has probability 1
         return torch.zeros(B, device=x.device)
+    check_probabilities_memory(model, B, T)
     with inference(model):
         if is_sigma_gpt(model):
             cfg = model.config

@@ -148,6 +148,22 @@ def decoding_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, p
     return cache + 6 * param_bytes * B * C + FP32_BYTES * B * config.vocab_size + CANVAS_BYTES * B * T
 
 
+def density_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, param_bytes: int,
+                       reference: bool) -> int:
+    """Estimated bytes of one forward that returns (B, T, V) probabilities (``conditional_density``,
+    ``log_likelihood``): a one-order burst's (:func:`sampling_peak_bytes`; ``reference``: the reference
+    attention's scores too) with the logits whole, plus ``s B T V`` for them in the model's dtype and two float32
+    copies (their upcast and the probabilities)::
+
+        sampling_peak_bytes(O = 1) - 4 B T V + (s + 8) B T V
+    """
+    B, T, V = batch_size, seq_len, config.vocab_size
+    base = sampling_peak_bytes(config, B, 1, T, param_bytes, block_elements=0 if reference else None)
+    if not reference:
+        base -= FP32_BYTES * B * T * V  # the burst's draft logits, counted below in the model's dtype
+    return base + (param_bytes + 2 * FP32_BYTES) * B * T * V
+
+
 def _meminfo_available() -> Optional[int]:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -205,6 +221,15 @@ def check_decoding_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int,
     need = decoding_peak_bytes(config, batch_size, seq_len, param_bytes)
     what = f"autoregressive sampling of {batch_size} rows of {seq_len} tokens"
     return _check_fits(need, device, available, what, " (its KV cache at full length)", "the batch", sampling=True)
+
+
+def check_density_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int, device: torch.device,
+                         param_bytes: int, reference: bool, available: Optional[int] = None) -> int:
+    """The :func:`density_peak_bytes` estimate; a ``ValueError`` naming the batch when it exceeds the available
+    memory of ``device`` (read only for estimates above ``SAMPLING_CHECK_FLOOR``)."""
+    need = density_peak_bytes(config, batch_size, seq_len, param_bytes, reference)
+    what = f"the probabilities of {batch_size} rows of {seq_len} tokens over {config.vocab_size} values"
+    return _check_fits(need, device, available, what, " (one forward)", "the batch (the rows of idx)", sampling=True)
 
 
 def check_canvas_memory(batch_size: int, seq_len: int, device: torch.device, available: Optional[int] = None) -> int:

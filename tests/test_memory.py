@@ -207,3 +207,36 @@ def test_a_canvas_larger_than_memory_is_refused_before_it_is_built():
     noised = DiffusionGPT(config, DiffusionConfig(noise="absorbing")).eval()
     with pytest.raises(ValueError, match=match):
         diffusion.generate(noised, prompt, 4)
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "triton"])
+def test_densities_check_their_probabilities_memory(monkeypatch, reference):
+    """``conditional_density`` and ``log_likelihood`` return or reduce (B, T, V) probabilities: the estimate counts
+    them (the logits in the model's dtype and two float32 copies), and both refuse, naming the batch, a forward
+    whose probabilities exceed the available memory (here made small) before running it."""
+    import sigmafast.memory
+    from sigmafast import kernels
+    from sigmafast.density import conditional_density, log_likelihood
+    from sigmafast.memory import check_density_memory, density_peak_bytes, sampling_peak_bytes
+
+    config = SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=2, n_embd=16)
+    need = density_peak_bytes(config, 3, 6, 4, reference)
+    base = sampling_peak_bytes(config, 3, 1, 6, 4, block_elements=0) if reference else \
+        sampling_peak_bytes(config, 3, 1, 6, 4) - 4 * 3 * 6 * 7
+    assert need == base + 12 * 3 * 6 * 7
+    assert check_density_memory(config, 3, 6, torch.device("cpu"), 4, reference, available=need) == need
+    message = r"probabilities of 3 rows of 6 tokens over 7 values .* reduce the batch \(the rows of idx\)$"
+    with pytest.raises(ValueError, match=message):
+        check_density_memory(config, 3, 6, torch.device("cpu"), 4, reference, available=need - 1)
+
+    model = SigmaGPT(config).eval()
+    monkeypatch.setattr(kernels, "backend_for", lambda t: "reference" if reference else "triton")
+    monkeypatch.setattr(sigmafast.memory, "SAMPLING_CHECK_FLOOR", 0)
+    monkeypatch.setattr(sigmafast.memory, "available_bytes", lambda device: need - 1)
+    x = torch.zeros(3, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="probabilities of 3 rows of 6 tokens"):
+        conditional_density(model, x, torch.zeros(3, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="probabilities of 3 rows of 6 tokens"):
+        log_likelihood(model, x, "left-to-right")
+    monkeypatch.setattr(sigmafast.memory, "available_bytes", lambda device: need)
+    assert log_likelihood(model, x, "left-to-right").shape == (3,)
