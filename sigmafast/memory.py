@@ -134,18 +134,23 @@ def sampling_peak_bytes(config: SigmaGPTConfig, batch_size: int, num_orders: int
     return keys + verify + logits
 
 
-def decoding_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, param_bytes: int) -> int:
+def decoding_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, param_bytes: int,
+                        prefill: int = 0) -> int:
     """Estimated bytes of autoregressive sampling's largest tensors: with B rows, T positions, width C,
-    L layers, vocabulary V and ``param_bytes`` s::
+    L layers, H heads, vocabulary V, ``param_bytes`` s and ``prefill`` M::
 
         2 s L B (T + 1) C         the KV cache, keys and values at full length (and its scratch slot)
       + 6 s B C                   one step's activations
       + 4 B V                     one step's logits, float32
       + CANVAS_BYTES B T          the canvas and its known mask
+      + 2 s B H M (T + 1 + M)     the reference attention's scores and their softmax (``SCORE_COPIES``) in the
+                                  prefill of a prompt of M tokens (the queries against every cache slot and the
+                                  prompt; pass M = 0 where the attention keeps no scores: the Triton path)
     """
-    B, T, C = batch_size, seq_len, config.n_embd
+    B, T, C, M = batch_size, seq_len, config.n_embd, prefill
     cache = 2 * param_bytes * config.n_layer * B * (T + 1) * C
-    return cache + 6 * param_bytes * B * C + FP32_BYTES * B * config.vocab_size + CANVAS_BYTES * B * T
+    scores = SCORE_COPIES * param_bytes * B * config.n_head * M * (T + 1 + M)
+    return cache + 6 * param_bytes * B * C + FP32_BYTES * B * config.vocab_size + CANVAS_BYTES * B * T + scores
 
 
 def density_peak_bytes(config: SigmaGPTConfig, batch_size: int, seq_len: int, param_bytes: int,
@@ -215,10 +220,10 @@ def check_sampling_memory(config: SigmaGPTConfig, batch_size: int, num_orders: i
 
 
 def check_decoding_memory(config: SigmaGPTConfig, batch_size: int, seq_len: int, device: torch.device,
-                          param_bytes: int, available: Optional[int] = None) -> int:
+                          param_bytes: int, available: Optional[int] = None, prefill: int = 0) -> int:
     """The :func:`decoding_peak_bytes` estimate; a ``ValueError`` naming the batch when it exceeds the
     available memory of ``device`` (read only for estimates above ``SAMPLING_CHECK_FLOOR``)."""
-    need = decoding_peak_bytes(config, batch_size, seq_len, param_bytes)
+    need = decoding_peak_bytes(config, batch_size, seq_len, param_bytes, prefill)
     what = f"autoregressive sampling of {batch_size} rows of {seq_len} tokens"
     return _check_fits(need, device, available, what, " (its KV cache at full length)", "the batch", sampling=True)
 

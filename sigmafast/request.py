@@ -157,21 +157,27 @@ def check_seed(name: str, seed: int) -> int:
     return seed
 
 
-def check_request_memory(model, req: Request, rows: Optional[int] = None) -> None:
+def check_request_memory(model, req: Request, rows: Optional[int] = None, most: Optional[int] = None) -> None:
     """A ``ValueError`` before a σ-GPT's sampling that cannot fit in memory: a burst naming ``num_orders`` and
-    the batch, autoregressive sampling (its KV cache) naming the batch; nothing for an oracle. ``rows``: the batch
-    the session allocates (an engine's batch bucket), the request's by default. The samplers call it after
-    :func:`prepare`; the other users of ``prepare`` (density, diffusion) sample no burst and keep no cache."""
+    the batch, autoregressive sampling (its KV cache, and on the reference path its prompt's prefill) naming the
+    batch; nothing for an oracle. ``rows``: the batch the session allocates (an engine's batch bucket), the
+    request's by default; ``most``: the largest known count of a row when the caller has read it (else read here
+    when needed). The samplers call it after :func:`prepare`; the other users of ``prepare`` (density, diffusion)
+    sample no burst, keep no cache, and check their own estimates."""
     if not is_sigma_gpt(model):
         return
     from .kernels import backend_for, row_blocks
 
     param = next(model.parameters())
     B, T = req.canvas.shape if rows is None else (rows, req.canvas.shape[1])
+    reference = backend_for(param) != "triton"
     if req.strategy != "burst":
-        check_decoding_memory(model.config, B, T, param.device, param.element_size())
+        prefill = 0  # the Triton attention keeps no scores
+        if reference:
+            prefill = int(req.known.sum(1).max()) if most is None else most
+        check_decoding_memory(model.config, B, T, param.device, param.element_size(), prefill=prefill)
         return
-    blocks = None if backend_for(param) == "triton" else row_blocks.block_elements(param.device)
+    blocks = None if not reference else row_blocks.block_elements(param.device)
     check_sampling_memory(model.config, B, req.num_orders, T, param.device, param.element_size(),
                           block_elements=blocks)
 

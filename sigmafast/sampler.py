@@ -134,14 +134,14 @@ def generate(
     req = prepare(target, idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, known=known,
                   strategy=strategy, order=order, num_orders=num_orders, acceptance=acceptance, generator=generator)
     runner = runner_for(model)
-    check_request_memory(target, req, runner.session_rows(req.canvas.shape[0]))
     check_callback(on_iteration)
     check_return_stats(return_stats)
     t0 = time.perf_counter()
+    n_known = req.known.sum(1)
+    fewest, most = torch.stack([n_known.min(), n_known.max()]).tolist()  # one host read for the tests below
+    check_request_memory(target, req, runner.session_rows(req.canvas.shape[0]), most)
     canvas, known_now = req.canvas.clone(), req.known.clone()
     autoregressive = req.strategy == "autoregressive"
-    n_known = known_now.sum(1)
-    fewest, most = torch.stack([n_known.min(), n_known.max()]).tolist()  # one host read for both tests
     with inference(target):
         if fewest == canvas.shape[1]:  # nothing to sample: no model call
             accepted, lengths, calls, prefill_calls = [], None if autoregressive else [], 0, 0
@@ -333,7 +333,7 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,
                   num_orders=num_orders, acceptance=acceptance)
-    check_request_memory(target, req, engine.session_rows(batch_size))
+    check_request_memory(target, req, engine.session_rows(batch_size), most=seq_len)  # it prefills up to seq_len
     if seq_len == 0 or not engine.buckets:  # exact shapes: every call has its own; nothing to prepare
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)

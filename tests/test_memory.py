@@ -177,6 +177,32 @@ def test_autoregressive_sampling_checks_its_kv_cache(monkeypatch):
             generate(model, empty, 6, strategy="autoregressive")
 
 
+def test_autoregressive_sampling_counts_its_prompt_s_prefill_on_the_reference_path(monkeypatch):
+    """The reference attention of a prompt's prefill scores its M queries against every cache slot and the prompt:
+    (B, 1, H, M, T + 1 + M) scores and their softmax, counted for the prompt's largest known count (the count
+    ``generate`` reads anyway); refused, naming the batch, when they do not fit, and run when they do."""
+    import sigmafast
+    import sigmafast.memory
+    import sigmafast.naive
+    from sigmafast.memory import decoding_peak_bytes
+
+    config = SigmaGPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=2, n_embd=16)
+    need = decoding_peak_bytes(config, 3, 6, 4, prefill=4)
+    assert need - decoding_peak_bytes(config, 3, 6, 4) == 2 * 4 * 3 * 2 * 4 * (6 + 1 + 4)
+    model = SigmaGPT(config).eval()
+    monkeypatch.setattr(sigmafast.memory, "SAMPLING_CHECK_FLOOR", 0)
+    prompt = torch.zeros(3, 4, dtype=torch.long)
+    prompt_known = torch.zeros(3, 6, dtype=torch.long), torch.arange(6).expand(3, 6) < torch.tensor([[1], [4], [2]])
+    for generate in (sigmafast.generate, sigmafast.naive.generate):
+        monkeypatch.setattr(sigmafast.memory, "available_bytes", lambda device: need - 1)
+        with pytest.raises(ValueError, match="autoregressive sampling of 3 rows of 6 tokens"):
+            generate(model, prompt, 2, strategy="autoregressive")
+        with pytest.raises(ValueError, match="autoregressive sampling of 3 rows of 6 tokens"):
+            generate(model, prompt_known[0], known=prompt_known[1], strategy="autoregressive")
+        monkeypatch.setattr(sigmafast.memory, "available_bytes", lambda device: need)
+        assert generate(model, prompt, 2, strategy="autoregressive").shape == (3, 6)
+
+
 def test_a_canvas_larger_than_memory_is_refused_before_it_is_built():
     """An expanded idx of 10**12 rows costs nothing; its canvas would need terabytes: every sampler refuses it
     with one message naming the batch, for a prompt and for infilling alike."""
