@@ -34,6 +34,7 @@ from .checkpoint import (
 )
 from .diffusion import training as diffusion_training
 from .distributed import Layout, init_layout
+from .kernels import row_blocks
 from .evaluation import estimate_val_loss, metrics_line, numeric_metrics, sample_validity
 from .loss import step_weights
 from .memory import FP32_BYTES, GIB, check_sampling_memory, check_training_memory
@@ -114,7 +115,8 @@ def check_memory(cfg: TrainConfig, model_config: SigmaGPTConfig, seq_len: int, d
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     if cfg.num_eval_samples:  # each evaluation's validity sampling: one order, float32
         n = cfg.num_eval_samples
-        check_sampling_memory(model_config, n, 1, seq_len, device, FP32_BYTES,
+        blocks = None if device.type == "cuda" else row_blocks.block_elements(device)  # the reference path's
+        check_sampling_memory(model_config, n, 1, seq_len, device, FP32_BYTES, block_elements=blocks,
                               what=f"sampling {n} sequences of {seq_len} tokens at each evaluation",
                               remedy="TrainConfig.num_eval_samples (0 disables the sampling)")
     return check_training_memory(model_config, cfg.batch_size, seq_len, device, activation_bytes=2 if bf16 else 4)

@@ -330,3 +330,21 @@ def test_mfu_uses_the_gpus_own_dense_bf16_peak(name, peak, monkeypatch):
     assert train_mod.estimate_mfu(cfg, 1000, 16, 1e9, torch.device("cpu")) is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     assert train_mod.estimate_mfu(cfg, 1000, 16, 1e9, cuda) is None
+
+
+def test_validity_sampling_memory_is_checked_for_the_path_it_takes(monkeypatch):
+    """Each evaluation's validity sampling is checked before training starts, naming its flag; off CUDA it runs
+    the reference path, whose estimate counts the attention's scores (larger here than the Triton path's)."""
+    from sigmafast import memory
+    from sigmafast.kernels import row_blocks
+
+    cfg = resolve(TrainConfig(task="step", preset="tiny", num_eval_samples=64), 100)
+    model_config = SigmaGPTConfig(vocab_size=5, block_size=100, n_layer=1, n_head=2, n_embd=16)
+    cpu = torch.device("cpu")
+    reference = memory.sampling_peak_bytes(model_config, 64, 1, 100, 4, row_blocks.block_elements(cpu))
+    assert reference > memory.sampling_peak_bytes(model_config, 64, 1, 100, 4)
+    monkeypatch.setattr(memory, "SAMPLING_CHECK_FLOOR", 0)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: reference - 1)
+    message = r"sampling 64 sequences of 100 tokens .* reduce TrainConfig.num_eval_samples \(0 disables"
+    with pytest.raises(ValueError, match=message):
+        train_mod.check_memory(cfg, model_config, 100, cpu)
