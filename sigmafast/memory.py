@@ -180,11 +180,14 @@ def _meminfo_available() -> Optional[int]:
 
 
 def available_bytes(device: torch.device) -> Optional[int]:
-    """Free memory of ``device``: CUDA's free bytes, the CPU's available RAM; None when unknown."""
+    """Free memory of ``device``: CUDA's free bytes and those that PyTorch's caching allocator holds unused (freed
+    tensors, e.g. a training step's, which ``mem_get_info`` counts as taken), the CPU's available RAM; None when
+    unknown."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     if device.type != "cpu":
         return None
     available = _meminfo_available()

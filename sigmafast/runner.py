@@ -89,6 +89,11 @@ class EagerRunner:
         """The rows a session of ``batch_size`` rows allocates (its batch bucket)."""
         return batch_bucket(batch_size) if self.buckets else batch_size
 
+    def holds_session(self, batch_size: int, seq_len: int) -> bool:
+        """Whether a call of ``batch_size`` rows of ``seq_len`` tokens reuses a session kept from an earlier call
+        (its KV cache and its graphs' memory allocated already: the free memory no longer counts them)."""
+        return False
+
     def static(self, session, kind: str, tensors: tuple) -> tuple:
         """The tensors a step reads, as the session's static buffers when steps are captured."""
         return tensors
@@ -299,6 +304,9 @@ class Engine(EagerRunner):
     @property
     def backend(self) -> str:
         return kernels.backend_for(next(self.model.parameters()))
+
+    def holds_session(self, batch_size: int, seq_len: int) -> bool:
+        return self.cuda_graphs and (self.backend, self.session_rows(batch_size), seq_len) in self._sessions
 
     def start(self, canvas: torch.Tensor, known: torch.Tensor, most: Optional[int] = None) -> NeuralSession:
         """Prefill a session of the (bucketed) batch size with ``canvas`` and ``known`` (B, T); ``most``, the

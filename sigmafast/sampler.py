@@ -139,7 +139,8 @@ def generate(
     t0 = time.perf_counter()
     n_known = req.known.sum(1)
     fewest, most = torch.stack([n_known.min(), n_known.max()]).tolist()  # one host read for the tests below
-    check_request_memory(target, req, runner.session_rows(req.canvas.shape[0]), most)
+    if not runner.holds_session(*req.canvas.shape):  # a kept session's memory is not free, nor needed again
+        check_request_memory(target, req, runner.session_rows(req.canvas.shape[0]), most)
     canvas, known_now = req.canvas.clone(), req.known.clone()
     autoregressive = req.strategy == "autoregressive"
     with inference(target):
@@ -333,7 +334,8 @@ def warmup(model, batch_size: int, seq_len: int, *, strategy: str = "burst", num
     idx = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
     req = prepare(target, idx, max_new_tokens=seq_len, temperature=temperature, top_k=top_k, strategy=strategy,
                   num_orders=num_orders, acceptance=acceptance)
-    check_request_memory(target, req, engine.session_rows(batch_size), most=seq_len)  # it prefills up to seq_len
+    if not engine.holds_session(batch_size, seq_len):  # it prefills up to seq_len
+        check_request_memory(target, req, engine.session_rows(batch_size), most=seq_len)
     if seq_len == 0 or not engine.buckets:  # exact shapes: every call has its own; nothing to prepare
         return engine
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -86,6 +86,26 @@ def test_calls_in_inference_mode_leave_the_engine_usable_outside_it(graph_engine
     assert sigmafast.Engine.for_model(model) is engine and len(engine._sessions) == 1
 
 
+@pytest.mark.parametrize("strategy", ["burst", "autoregressive"])
+def test_memory_a_kept_session_holds_is_not_asked_for_again(graph_engines, monkeypatch, strategy):
+    """On CUDA the free memory read before a call (``torch.cuda.mem_get_info``) no longer holds what the engine's
+    kept session took (its KV cache, its graphs' pool): a call that fitted once is not refused the second time for
+    needing that memory again; a call of another batch bucket, on a new session, is still checked."""
+    import sigmafast.memory
+
+    monkeypatch.setattr(sigmafast.memory, "SAMPLING_CHECK_FLOOR", 0)
+    free = [1 << 40]
+    monkeypatch.setattr(sigmafast.memory, "available_bytes", lambda device: free[0])
+    engine = sigmafast.Engine(_model())
+    kwargs = dict(strategy=strategy, generator=torch.Generator().manual_seed(0))
+    sigmafast.generate(engine, _prompt(), T - 3, **kwargs)
+    free[0] = sigmafast.memory.CANVAS_BYTES * 2 * T  # a new canvas fits; the first call's session holds the rest
+    sigmafast.generate(engine, _prompt(), T - 3, **kwargs)
+    sigmafast.warmup(engine, 2, T, strategy=strategy)
+    with pytest.raises(ValueError, match="reduce .*the batch"):
+        sigmafast.generate(engine, _prompt(B=3), T - 3, **kwargs)  # batch bucket 4: a new session
+
+
 def _dropout_model():
     torch.manual_seed(0)
     config = sigmafast.SigmaGPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=2, n_embd=16, dropout=0.5)

@@ -90,6 +90,16 @@ def test_loss_term_is_capped_by_the_chunk():
     assert training_peak_bytes(cfg, 32, 1024, activation_bytes=2) == small - halved + casts
 
 
+def test_cuda_memory_the_caching_allocator_holds_unused_counts_as_available(monkeypatch):
+    """On CUDA ``mem_get_info`` counts the blocks PyTorch's caching allocator keeps after their tensors are freed
+    (a training step's activations, before an evaluation samples) as taken; this process can reuse them."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * gib)
+    assert available_bytes(torch.device("cuda", 0)) == 7 * gib
+
+
 def test_available_memory_and_the_training_check():
     have = available_bytes(torch.device("cpu"))
     assert have is None or have > 0
