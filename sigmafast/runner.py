@@ -22,47 +22,17 @@ batch. :func:`warmup` captures every step a call will need ahead of time.
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from . import kernels, steps
+from .capture import Graphs, compile_step
 from .engine import NeuralSession
 from .request import DRAW_DTYPE, BurstDraws, burst_shapes, check_int, is_sigma_gpt
 from .scoring import SCORING_CHOICES, MeasuredScoring
 
 __all__ = ["Engine", "EagerRunner", "runner_for"]
-
-
-RECOMPILE_LIMIT = 64  # compiled shapes per step function: R buckets x batch buckets x sampling settings
-
-
-def _compile_step(fn: Callable, backend: str) -> Callable:
-    """``fn`` through ``torch.compile(fullgraph=True, dynamic=False)``. Every static shape (R bucket, batch
-    bucket, orders, sampling settings, model) is one recompilation of the same function, more than dynamo's
-    default limit of 8 (a burst over T = 768 alone has 7 R buckets), so calls raise the limit to
-    ``RECOMPILE_LIMIT``. Dynamo counts them per function, over every engine of the process: past the limit,
-    a new shape runs ``fn`` eagerly (the same values), with a ``RuntimeWarning`` the first time."""
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    limit_hit = tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
-                      if hasattr(torch._dynamo.exc, n))
-    warned = False
-
-    def call(*args):
-        nonlocal warned
-        try:
-            with config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)}):
-                return compiled(*args)
-        except limit_hit:  # raised before the step runs: nothing was written
-            if not warned:
-                warned = True
-                warnings.warn(f"compile_steps: {fn.__name__} was compiled for {RECOMPILE_LIMIT} shapes and "
-                              f"settings in this process; new ones run eagerly", RuntimeWarning, stacklevel=2)
-            return fn(*args)
-    return call
 
 
 def batch_bucket(n: int) -> int:
@@ -107,40 +77,6 @@ class EagerRunner:
 
     def ar(self, session, plan: steps.ARPlan, temperature, top_k) -> None:
         steps.ar_step(session, plan, temperature, top_k)
-
-
-class _Graphs:
-    """Run a step eagerly the first time its key is seen, capture it the second time, then replay."""
-
-    def __init__(self) -> None:
-        self.graphs: dict = {}
-        self.seen: set = set()
-        self.pool = None
-        self.stream = None  # the capture stream, on the engine's GPU (torch.cuda.graph's default is process-wide)
-
-    def drop(self, session_id: int) -> None:
-        """Forget the graphs of one session (keys carry the session's id second)."""
-        for key in [k for k in self.graphs if k[1] == session_id]:
-            del self.graphs[key]
-        self.seen = {k for k in self.seen if k[1] != session_id}
-
-    def run(self, key, fn: Callable):
-        entry = self.graphs.get(key)
-        if entry is not None:
-            entry[0].replay()
-            return entry[1]
-        if key not in self.seen:
-            self.seen.add(key)
-            return fn()
-        graph = torch.cuda.CUDAGraph()
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()  # the current device: the model's, under request.inference
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            out = fn()
-        self.pool = graph.pool()  # one memory pool for every step: outputs are cloned after each replay
-        self.graphs[key] = (graph, out)
-        graph.replay()
-        return out
 
 
 class _EngineSlot:
@@ -197,7 +133,7 @@ class Engine(EagerRunner):
     ``torch.compile`` backend name, e.g. "inductor") compiles the step functions
     with ``fullgraph=True`` first, fusing their small ops; it costs a compilation
     per shape (one for autoregressive sampling, one per R bucket for burst; up to
-    ``RECOMPILE_LIMIT`` per step function and process, then eagerly). ``lookahead=True`` (opt-in, with
+    ``capture.RECOMPILE_LIMIT`` per step function and process, then eagerly). ``lookahead=True`` (opt-in, with
     buckets) queues each burst iteration before reading the previous one's
     status, with an R bucket bounded one iteration late: the GPU never waits for
     the host, at the cost of an occasional larger bucket and one surplus
@@ -242,8 +178,8 @@ class Engine(EagerRunner):
         self.compile_steps = compile_steps
         self._burst_step, self._ar_step = steps.burst_step, steps.ar_step
         if compile_steps is not None:  # fuse the step's small ops (then captured as usual)
-            self._burst_step = _compile_step(steps.burst_step, compile_steps)
-            self._ar_step = _compile_step(steps.ar_step, compile_steps)
+            self._burst_step = compile_step(steps.burst_step, compile_steps)
+            self._ar_step = compile_step(steps.ar_step, compile_steps)
         if not isinstance(lookahead, bool):
             raise TypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
         if lookahead and not self.buckets:
@@ -267,7 +203,7 @@ class Engine(EagerRunner):
         self.max_sessions = check_int("max_sessions", max_sessions, 1)
         self._sessions: dict = {}  # (backend, batch, T) -> NeuralSession, reused when capturing, LRU order
         self._static: dict = {}  # (id(session), kind) -> static input buffers
-        self._graphs = _Graphs()
+        self._graphs = Graphs()
         self._params = self._fingerprint()
 
     @classmethod
@@ -329,7 +265,7 @@ class Engine(EagerRunner):
         if self._fingerprint() != self._params:  # moved or replaced weights: captured graphs are stale
             self._sessions.clear()
             self._static.clear()
-            self._graphs = _Graphs()
+            self._graphs = Graphs()
             if isinstance(self._scoring, MeasuredScoring):
                 self._scoring.clear()
             self._params = self._fingerprint()

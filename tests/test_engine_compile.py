@@ -137,10 +137,10 @@ def test_compiled_steps_take_more_shapes_than_dynamos_default_limit(model):
 def test_compiled_steps_run_eagerly_past_the_recompile_limit(model, monkeypatch):
     """Past RECOMPILE_LIMIT shapes (here 2, and dynamo's own limit 2) a fullgraph compile would raise: new
     settings run the step eagerly, with one RuntimeWarning, and still give the eager tokens."""
-    from sigmafast import runner
+    from sigmafast import capture
 
     config = torch._dynamo.config
-    monkeypatch.setattr(runner, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(capture, "RECOMPILE_LIMIT", 2)
     monkeypatch.setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 2)
     idx = torch.zeros(1, 2, dtype=torch.long)
     torch._dynamo.reset()

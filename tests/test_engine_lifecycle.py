@@ -34,7 +34,7 @@ def _keep_graphs(monkeypatch, on=lambda device: True) -> None:
         self.cuda_graphs = on(self.device)
 
     monkeypatch.setattr(runner.Engine, "__init__", init)
-    monkeypatch.setattr(runner._Graphs, "run", lambda self, key, fn: fn())
+    monkeypatch.setattr(runner.Graphs, "run", lambda self, key, fn: fn())
 
 
 @pytest.fixture
